@@ -1,0 +1,63 @@
+# hsx: `make demo` runs an extraction on this machine; `make test` runs every test.
+# Both set themselves up from nothing. Caches that are safe to lose live under $(HSX_CACHE).
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+HSX_CACHE ?= $(HOME)/.cache/hsx
+UV_VERSION := 0.13.9
+UV_HOME := $(HSX_CACHE)/uv-$(UV_VERSION)
+UV := $(UV_HOME)/bin/uv
+VENV := .venv
+BIN := $(VENV)/bin
+export SSL_CERT_FILE ?= /etc/ssl/certs/ca-certificates.crt
+export HSX_CACHE
+export PYTHONUNBUFFERED := 1
+
+.PHONY: help venv test-tools lint test demo dev-cluster bench crds clean
+
+help:
+	@echo "make demo         extract a bundled dataset with a tiny model on CPU, verify, summarise"
+	@echo "make test         lint, type-check and run every test (builds test binaries once, cached)"
+	@echo "make dev-cluster  start the test control plane + node agent + S3 server in the foreground"
+	@echo "make bench        run the benchmarks under bench/ (results in bench/results/)"
+	@echo "make crds         regenerate crds/ from the operator's pydantic models"
+
+$(UV):
+	$(PYTHON) -m venv $(UV_HOME)
+	$(UV_HOME)/bin/pip install -q uv==$(UV_VERSION)
+
+# uv hard-links from its cache, so a fresh venv with torch takes seconds once the cache is warm.
+$(VENV)/.installed: pyproject.toml | $(UV)
+	$(UV) venv -q --allow-existing -p $(PYTHON) $(VENV)
+	$(UV) pip install -q -p $(BIN)/python -e '.[extractor,operator,reference,dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+# Real kube-apiserver, controller-manager, scheduler, etcd, helm, kubectl, hadolint (cached by version).
+test-tools: venv
+	bash tests/cluster/build.sh
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/mypy extractor/hsx_extractor operator/hsx_operator
+
+test: venv test-tools lint
+	$(BIN)/python -m pytest
+
+demo: venv
+	$(BIN)/hsx demo
+
+dev-cluster: venv test-tools
+	$(BIN)/python -m tests.ground.devcluster
+
+bench: venv test-tools
+	$(BIN)/python -m bench
+
+crds: venv
+	$(BIN)/python -m hsx_operator.crdgen --write crds/
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo-output

@@ -1,0 +1,164 @@
+"""The extractor's configuration, in the same field names as the ExtractionJob spec.
+
+The operator imports :class:`DatasetSpec`, :class:`OutputSpec` and :class:`ValidationSpec` into
+its CRD; ``hsx extract --config FILE`` reads the same names from YAML or JSON. Every field is
+documented where it is declared: these descriptions become ``kubectl explain`` text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+RUN_ID_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$"
+
+
+class _Spec(BaseModel):
+    # Unknown fields are errors: a typo must not be silently ignored.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class DatasetSpec(_Spec):
+    """Where the samples come from and how they become tokens."""
+
+    uri: str = Field(
+        description="JSONL dataset: a local path, file:// or s3://bucket/key URI. One sample per line, "
+        'either {"id", "messages"} (rendered with the chat template) or {"id", "input_ids", "loss_mask"}.',
+        min_length=1,
+    )
+    format: Literal["auto", "messages", "tokens"] = Field(
+        "auto",
+        description="Row format. auto decides per row: rows with input_ids are pre-tokenized, rows with "
+        "messages are rendered with the chat template.",
+    )
+    chatTemplate: str | None = Field(
+        None,
+        description="Jinja chat template to use instead of the tokenizer's own. It must mark assistant "
+        "turns with {% generation %} ... {% endgeneration %} so the loss mask comes from the template.",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="Directory holding tokenizer.json and tokenizer_config.json. Defaults to the model path.",
+    )
+    maxLength: int = Field(
+        8192, ge=1, le=1_048_576, description="Longest sample in tokens; longer samples are quarantined "
+        "with reason too_long, never truncated."
+    )
+    expectedTokenizerFingerprint: str | None = Field(
+        None,
+        description="Fingerprint of the tokenizer the dataset was prepared with (hsx fingerprint DIR). "
+        "When set, the run fails at start if the tokenizer in use differs.",
+        pattern=r"^[0-9a-f]{16,64}$",
+    )
+    limit: int | None = Field(None, ge=1, description="Use only the first N rows (for trial runs).")
+
+
+class OutputSpec(_Spec):
+    """Where shards go and how they are stored."""
+
+    uri: str = Field(
+        description="Output prefix: s3://bucket/prefix for object storage, or a local directory (tests, "
+        "demo). Each run writes under {uri}/{runId}/.",
+        min_length=1,
+    )
+    endpoint: str | None = Field(
+        None, description="S3 endpoint URL for S3-compatible stores (MinIO, SeaweedFS, Ceph)."
+    )
+    region: str | None = Field(None, description="S3 region. Defaults to the AWS configuration chain.")
+    pathStyle: bool = Field(
+        False, description="Use path-style addressing (bucket in the path), needed by most S3-compatible stores."
+    )
+    credentialsSecret: str | None = Field(
+        None,
+        description="Name of a Secret in the job's namespace holding AWS_ACCESS_KEY_ID and "
+        "AWS_SECRET_ACCESS_KEY (and optionally AWS_SESSION_TOKEN). The operator passes it to the pod "
+        "as environment; it never reads it.",
+    )
+    shardTargetBytes: int = Field(
+        1 << 30,
+        ge=1 << 20,
+        le=4 << 30,
+        description="Target size of one shard in bytes (before compression). Samples are assigned to "
+        "shards by dataset position, so the same dataset always yields the same shards.",
+    )
+    compression: Literal["none", "bf16-zstd"] = Field(
+        "bf16-zstd",
+        description="Lossless compression of hidden states: bf16-zstd compresses each value's high byte "
+        "(sign and exponent) with zstd and stores the low byte raw; none stores raw bf16.",
+    )
+    partSizeBytes: int = Field(
+        64 << 20, ge=5 << 20, le=5 << 30, description="Multipart upload part size in bytes."
+    )
+    uploadConcurrency: int = Field(16, ge=1, le=256, description="Parts uploaded in parallel per pod.")
+
+
+class ValidationSpec(_Spec):
+    """How strictly dumps are checked against what was sent."""
+
+    onMismatch: Literal["quarantine", "fail"] = Field(
+        "quarantine",
+        description="What a mismatching dump does: quarantine the sample (with its reason) and go on, "
+        "or fail the run at once.",
+    )
+    maxMismatchRate: float = Field(
+        0.02,
+        ge=0.0,
+        le=1.0,
+        description="The run stops when more than this fraction of samples in the gate window mismatch.",
+    )
+    gateWindow: int = Field(
+        200, ge=1, description="Number of most recent samples over which the mismatch rate is measured."
+    )
+    gateMinSamples: int = Field(
+        20, ge=1, description="The gate only trips once at least this many samples were checked."
+    )
+    dumpTimeoutSeconds: float = Field(
+        300.0, gt=0, description="How long to wait for a request's dump after the server answered."
+    )
+    maxRetries: int = Field(
+        2, ge=0, le=10, description="Retries of a request whose dump did not arrive before quarantine (no_dump)."
+    )
+
+
+class ExtractConfig(_Spec):
+    """Everything ``hsx extract`` needs. The operator writes this file for each pod."""
+
+    runId: str = Field(description="Run identifier; output goes under {output.uri}/{runId}/.", pattern=RUN_ID_PATTERN)
+    dataset: DatasetSpec
+    output: OutputSpec
+    validation: ValidationSpec = Field(default_factory=ValidationSpec)  # type: ignore[arg-type]
+    concurrency: int = Field(32, ge=1, le=1024, description="Requests in flight at the server.")
+    serverUrl: str = Field("http://127.0.0.1:30000", description="Base URL of the extraction server.")
+    dumpDir: str = Field("/dev/shm/hsx", description="Directory the server writes dumps into (shared memory).")
+    dumpDirMaxBytes: int = Field(
+        8 << 30, ge=1 << 20, description="Back-pressure: fewer requests are sent while dumps waiting in "
+        "dumpDir exceed this many bytes."
+    )
+    modelPath: str | None = Field(None, description="Model directory (tokenizer and config are read from it).")
+    replicaIndex: int = Field(0, ge=0, description="This pod's index among parallel replicas.")
+    replicaCount: int = Field(1, ge=1, description="Number of parallel replicas; shard k goes to replica k % count.")
+    progressPort: int = Field(8080, ge=0, le=65535, description="Port of /progress and /metrics (0: off).")
+    progressHost: str = Field("0.0.0.0", description="Address the progress server binds to.")
+    logIntervalSeconds: float = Field(10.0, gt=0, description="Seconds between progress log lines.")
+
+    @field_validator("runId")
+    @classmethod
+    def _run_id_not_reserved(cls, v: str) -> str:
+        if v in {"_hsx", "manifest"}:
+            raise ValueError(f"runId {v!r} is reserved")
+        return v
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ExtractConfig:
+    """Read an ExtractConfig from YAML or JSON, then apply dotted-key overrides (``output.uri``)."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return ExtractConfig.model_validate(data)

@@ -1,0 +1,258 @@
+"""The dump protocol between an extraction server and the extractor.
+
+Both producers (the SGLang hook and the CPU reference server) and the one consumer (the
+extractor) import this module; nothing else defines file names or the dump layout.
+See docs/protocol.md for the one-page spec.
+
+A request sent by the extractor carries its own request id (``rid``, see :func:`make_rid`).
+For that rid the server writes exactly one file into the dump directory:
+
+* ``{rid}.safetensors`` - a safetensors file with three tensors
+  ``input_ids`` (I32 ``[L]``, the ids the server actually ran), ``aux_hidden_states``
+  (BF16 ``[L, K*H]``, K captured layers concatenated in capture order) and ``hidden_states``
+  (BF16 ``[L, H]``, the post-norm final state), plus ``__metadata__`` (see :class:`DumpMeta`).
+* or ``{rid}.error.json`` - the server saw something wrong with that request (for example a
+  row-count mismatch) and refuses to write data for it.
+
+Either file is first written under a hidden temporary name (``.{rid}.{pid}.partial``) and
+renamed into place when complete, so a visible name always means a complete file.
+
+Only numpy is needed here: tensors are raw little-endian buffers (bf16 travels as its 16 bits).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PROTOCOL_VERSION = "hsx-dump/1"
+# Environment variable naming the dump directory, read by the SGLang hook and the reference server.
+DUMP_DIR_ENV = "SGLANG_HS_DUMP_DIR"
+DUMP_SUFFIX = ".safetensors"
+ERROR_SUFFIX = ".error.json"
+PARTIAL_SUFFIX = ".partial"
+
+TENSOR_INPUT_IDS = "input_ids"
+TENSOR_AUX = "aux_hidden_states"
+TENSOR_FINAL = "hidden_states"
+
+_RID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+_RID_PREFIX = "hsx"
+
+
+class ProtocolError(ValueError):
+    """A dump file or rid does not follow the protocol."""
+
+
+def validate_rid(rid: str) -> str:
+    """Return ``rid`` if it is safe as a file name; raise :class:`ProtocolError` otherwise."""
+    if not isinstance(rid, str) or not _RID_RE.match(rid) or ".." in rid:
+        raise ProtocolError(f"invalid rid {rid!r}: use 1-200 of [A-Za-z0-9._-], starting alphanumeric")
+    return rid
+
+
+def make_rid(run_key: str, sample_index: int, attempt: int) -> str:
+    """The rid of one attempt at one sample: ``hsx-{run_key}-{index}-a{attempt}``.
+
+    A retry gets a new rid, so a late dump of an abandoned attempt can never be taken for the
+    retry's. ``run_key`` should differ between runs and replicas (SGLang rejects duplicate rids).
+    """
+    if sample_index < 0 or attempt < 0:
+        raise ProtocolError("sample_index and attempt must be >= 0")
+    return validate_rid(f"{_RID_PREFIX}-{run_key}-{sample_index}-a{attempt}")
+
+
+def parse_rid(rid: str) -> tuple[str, int, int]:
+    """Inverse of :func:`make_rid`: ``(run_key, sample_index, attempt)``."""
+    m = re.match(rf"^{_RID_PREFIX}-(.+)-(\d+)-a(\d+)$", rid)
+    if not m:
+        raise ProtocolError(f"rid {rid!r} was not made by make_rid")
+    return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+def dump_path(dump_dir: str | os.PathLike[str], rid: str) -> Path:
+    return Path(dump_dir) / f"{validate_rid(rid)}{DUMP_SUFFIX}"
+
+
+def error_path(dump_dir: str | os.PathLike[str], rid: str) -> Path:
+    return Path(dump_dir) / f"{validate_rid(rid)}{ERROR_SUFFIX}"
+
+
+def rid_of(name: str) -> str | None:
+    """The rid a complete dump or error file name belongs to; None for partial or foreign files."""
+    if name.startswith("."):
+        return None
+    for suffix in (DUMP_SUFFIX, ERROR_SUFFIX):
+        if name.endswith(suffix):
+            rid = name[: -len(suffix)]
+            return rid if _RID_RE.match(rid) else None
+    return None
+
+
+@dataclass(frozen=True)
+class DumpMeta:
+    """What a producer records about one dump."""
+
+    rid: str
+    seq_len: int
+    hidden_size: int
+    # Decoder-layer indices whose *input* was captured, in capture order; equal to the indices
+    # into a Hugging Face model's ``output_hidden_states`` tuple (0 = embeddings).
+    capture_layers: tuple[int, ...]
+    producer: str
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.capture_layers)
+
+    def to_header(self) -> dict[str, str]:
+        header = dict(self.extra)
+        header.update(
+            protocol=PROTOCOL_VERSION,
+            rid=self.rid,
+            seq_len=str(self.seq_len),
+            hidden_size=str(self.hidden_size),
+            capture_layers=json.dumps(list(self.capture_layers)),
+            producer=self.producer,
+        )
+        return header
+
+    @classmethod
+    def from_header(cls, header: dict[str, str]) -> DumpMeta:
+        if header.get("protocol") != PROTOCOL_VERSION:
+            raise ProtocolError(f"dump protocol {header.get('protocol')!r}, expected {PROTOCOL_VERSION!r}")
+        known = {"protocol", "rid", "seq_len", "hidden_size", "capture_layers", "producer"}
+        try:
+            return cls(
+                rid=header["rid"],
+                seq_len=int(header["seq_len"]),
+                hidden_size=int(header["hidden_size"]),
+                capture_layers=tuple(int(x) for x in json.loads(header["capture_layers"])),
+                producer=header["producer"],
+                extra={k: v for k, v in header.items() if k not in known},
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ProtocolError(f"bad dump metadata: {exc}") from exc
+
+
+@dataclass
+class Dump:
+    """One complete dump, as read back. bf16 tensors are ``uint16`` arrays of their bits."""
+
+    meta: DumpMeta
+    input_ids: np.ndarray  # int32 [L]
+    aux_hidden_states: np.ndarray  # uint16 (bf16 bits) [L, K*H]
+    hidden_states: np.ndarray  # uint16 (bf16 bits) [L, H]
+
+
+def _tensor_entries(meta: DumpMeta, n_ids: int, n_aux_rows: int, n_final_rows: int) -> dict[str, Any]:
+    k, h = meta.num_aux, meta.hidden_size
+    specs = [
+        (TENSOR_INPUT_IDS, "I32", [n_ids], n_ids * 4),
+        (TENSOR_AUX, "BF16", [n_aux_rows, k * h], n_aux_rows * k * h * 2),
+        (TENSOR_FINAL, "BF16", [n_final_rows, h], n_final_rows * h * 2),
+    ]
+    entries: dict[str, Any] = {"__metadata__": meta.to_header()}
+    offset = 0
+    for name, dtype, shape, nbytes in specs:
+        entries[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    return entries
+
+
+def _encode_header(entries: dict[str, Any]) -> bytes:
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _atomic_write(final: Path, chunks: Iterable[bytes | memoryview]) -> None:
+    tmp = final.with_name(f".{final.name}.{os.getpid()}{PARTIAL_SUFFIX}")
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_dump(
+    dump_dir: str | os.PathLike[str],
+    meta: DumpMeta,
+    input_ids: Any,
+    aux_hidden_states: Any,
+    hidden_states: Any,
+) -> Path:
+    """Write one dump atomically. Tensors are buffers (numpy arrays, bytes, memoryviews) holding
+    int32 ids and bf16 bits in C order. The row counts are written as given - the consumer,
+    not the producer, decides whether they match what was sent - but byte sizes must agree
+    with the row counts, so a torn buffer cannot pass as a shorter tensor."""
+    ids = memoryview(input_ids).cast("B")
+    aux = memoryview(aux_hidden_states).cast("B")
+    fin = memoryview(hidden_states).cast("B")
+    k, h = meta.num_aux, meta.hidden_size
+    if ids.nbytes % 4 or aux.nbytes % (2 * k * h) or fin.nbytes % (2 * h):
+        raise ProtocolError("tensor byte sizes are not whole rows")
+    entries = _tensor_entries(meta, ids.nbytes // 4, aux.nbytes // (2 * k * h), fin.nbytes // (2 * h))
+    path = dump_path(dump_dir, meta.rid)
+    _atomic_write(path, [_encode_header(entries), ids, aux, fin])
+    return path
+
+
+def write_error(dump_dir: str | os.PathLike[str], rid: str, reason: str, message: str) -> Path:
+    """Tell the extractor that this rid will get no data, and why."""
+    path = error_path(dump_dir, rid)
+    body = json.dumps({"protocol": PROTOCOL_VERSION, "rid": rid, "reason": reason, "message": message})
+    _atomic_write(path, [body.encode()])
+    return path
+
+
+def read_error(path: str | os.PathLike[str]) -> dict[str, str]:
+    with open(path, "rb") as f:
+        body = json.loads(f.read())
+    if not isinstance(body, dict) or "reason" not in body:
+        raise ProtocolError(f"{path}: not an error marker")
+    return {str(k): str(v) for k, v in body.items()}
+
+
+_DTYPES = {"I32": np.dtype("<i4"), "BF16": np.dtype("<u2")}
+
+
+def read_dump(path: str | os.PathLike[str]) -> Dump:
+    """Read and structurally check one dump. Raises :class:`ProtocolError` on any damage."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < 8:
+        raise ProtocolError(f"{path}: truncated header")
+    (hlen,) = struct.unpack("<Q", data[:8])
+    if hlen > len(data) - 8:
+        raise ProtocolError(f"{path}: header length {hlen} exceeds file size")
+    try:
+        header = json.loads(data[8 : 8 + hlen])
+    except ValueError as exc:
+        raise ProtocolError(f"{path}: header is not JSON: {exc}") from exc
+    meta = DumpMeta.from_header(header.get("__metadata__", {}))
+    body = memoryview(data)[8 + hlen :]
+    arrays: dict[str, np.ndarray] = {}
+    for name in (TENSOR_INPUT_IDS, TENSOR_AUX, TENSOR_FINAL):
+        entry = header.get(name)
+        if not entry or entry.get("dtype") not in _DTYPES:
+            raise ProtocolError(f"{path}: missing or mistyped tensor {name!r}")
+        start, end = entry["data_offsets"]
+        dtype = _DTYPES[entry["dtype"]]
+        shape = tuple(int(s) for s in entry["shape"])
+        if end > len(body) or end - start != int(np.prod(shape)) * dtype.itemsize:
+            raise ProtocolError(f"{path}: tensor {name!r} is truncated")
+        arrays[name] = np.frombuffer(body[start:end], dtype=dtype).reshape(shape)
+    return Dump(meta, arrays[TENSOR_INPUT_IDS], arrays[TENSOR_AUX], arrays[TENSOR_FINAL])
