@@ -162,3 +162,27 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ex
             node = node.setdefault(p, {})
         node[leaf] = value
     return ExtractConfig.model_validate(data)
+
+
+# Exit codes of `hsx extract`, shared with the operator's podFailurePolicy.
+EXIT_OK = 0
+# Worth retrying: server died, S3 flaked past retries, pod evicted.
+EXIT_TRANSIENT = 1
+# Retrying cannot help: invalid config, tokenizer mismatch, mismatch gate tripped, S3 access denied.
+EXIT_PERMANENT = 3
+
+# Field names of the extractor's GET /progress JSON; the operator copies them into status.progress.
+PROGRESS_FIELDS = (
+    "samplesTotal",
+    "samplesDone",
+    "samplesQuarantined",
+    "tokensDone",
+    "samplesPerSecond",
+    "tokensPerSecond",
+    "etaSeconds",
+    "bytesCommitted",
+    "shardsCommitted",
+    "shardsTotal",
+    "requestsInFlight",
+    "lastError",
+)
