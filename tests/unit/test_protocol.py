@@ -1,0 +1,103 @@
+"""The dump protocol: names, round trip, atomicity and damage detection."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from safetensors import deserialize
+
+from hsx_extractor import protocol as p
+
+
+def _meta(rid: str = "hsx-run1-7-a0", seq_len: int = 5, hidden: int = 4) -> p.DumpMeta:
+    return p.DumpMeta(rid=rid, seq_len=seq_len, hidden_size=hidden, capture_layers=(2, 3, 5), producer="test")
+
+
+def _tensors(seq_len: int = 5, hidden: int = 4, k: int = 3, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 1000, seq_len, dtype=np.int32)
+    aux = rng.integers(0, 1 << 16, (seq_len, k * hidden), dtype=np.uint16)
+    fin = rng.integers(0, 1 << 16, (seq_len, hidden), dtype=np.uint16)
+    return ids, aux, fin
+
+
+def test_rid_round_trip_and_retry_gets_new_rid() -> None:
+    rid = p.make_rid("run1-r0", 42, 0)
+    assert p.parse_rid(rid) == ("run1-r0", 42, 0)
+    assert p.make_rid("run1-r0", 42, 1) != rid
+
+
+@pytest.mark.parametrize("bad", ["", "../x", "a/b", ".hidden", "a b", "x" * 201, "a..b"])
+def test_unsafe_rids_are_rejected(bad: str) -> None:
+    with pytest.raises(p.ProtocolError):
+        p.validate_rid(bad)
+
+
+def test_dump_round_trip_is_byte_exact(tmp_path) -> None:
+    ids, aux, fin = _tensors()
+    path = p.write_dump(tmp_path, _meta(), ids, aux, fin)
+    assert path == p.dump_path(tmp_path, "hsx-run1-7-a0")
+    dump = p.read_dump(path)
+    assert dump.meta == _meta()
+    assert np.array_equal(dump.input_ids, ids)
+    assert np.array_equal(dump.aux_hidden_states, aux)
+    assert np.array_equal(dump.hidden_states, fin)
+    assert [f for f in os.listdir(tmp_path)] == [path.name]  # no temporary left behind
+
+
+def test_dump_is_a_valid_safetensors_file(tmp_path) -> None:
+    ids, aux, fin = _tensors()
+    path = p.write_dump(tmp_path, _meta(), ids, aux, fin)
+    # The real safetensors parser (numpy has no bf16, so read raw entries).
+    loaded = {name: entry for name, entry in deserialize(path.read_bytes())}
+    assert loaded["input_ids"]["dtype"] == "I32"
+    assert loaded["aux_hidden_states"]["shape"] == [5, 12]
+    assert bytes(loaded["hidden_states"]["data"]) == fin.tobytes()
+
+
+def test_dump_with_wrong_row_count_is_written_as_given(tmp_path) -> None:
+    # The consumer compares rows with what it sent; the producer must not hide a mismatch.
+    ids, aux, fin = _tensors(seq_len=5)
+    path = p.write_dump(tmp_path, _meta(seq_len=5), ids, aux[:3], fin)
+    assert p.read_dump(path).aux_hidden_states.shape == (3, 12)
+
+
+def test_torn_buffers_are_refused(tmp_path) -> None:
+    ids, aux, fin = _tensors()
+    with pytest.raises(p.ProtocolError):
+        p.write_dump(tmp_path, _meta(), ids, aux.tobytes()[:-2], fin)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_truncated_file_is_detected(tmp_path) -> None:
+    ids, aux, fin = _tensors()
+    path = p.write_dump(tmp_path, _meta(), ids, aux, fin)
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(p.ProtocolError, match="truncated"):
+        p.read_dump(path)
+
+
+def test_foreign_protocol_version_is_refused(tmp_path) -> None:
+    ids, aux, fin = _tensors()
+    path = p.write_dump(tmp_path, _meta(), ids, aux, fin)
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace(p.PROTOCOL_VERSION.encode(), b"hsx-dump/9"))
+    with pytest.raises(p.ProtocolError, match="protocol"):
+        p.read_dump(path)
+
+
+def test_error_marker_round_trip(tmp_path) -> None:
+    path = p.write_error(tmp_path, "hsx-run1-3-a1", "row_count_mismatch", "rows 7 != tokens 8")
+    assert p.rid_of(path.name) == "hsx-run1-3-a1"
+    body = p.read_error(path)
+    assert body["reason"] == "row_count_mismatch"
+    assert json.loads(path.read_text())["protocol"] == p.PROTOCOL_VERSION
+
+
+def test_partial_files_are_invisible_by_name() -> None:
+    assert p.rid_of(".hsx-run1-3-a1.safetensors.123.partial") is None
+    assert p.rid_of("hsx-run1-3-a1.safetensors") == "hsx-run1-3-a1"
+    assert p.rid_of("notes.txt") is None
