@@ -1,0 +1,559 @@
+"""Where shards go, and the exactly-once commit protocol (same for a local directory and S3).
+
+A shard counts only once its *commit record* exists. Sealing a shard:
+
+1. create the shard object only if absent (S3: multipart completed with ``If-None-Match: *``;
+   local: ``link()`` of a finished temp file). If it already exists, compare headers: the header
+   lists every sample's checksum, so equal header + size means equal content -> success;
+   anything else is a :class:`ShardConflictError` and nothing is overwritten.
+2. create the commit record only if absent; an existing one must be byte-identical.
+
+Resume needs no local state: :meth:`Store.committed_shards` lists commit records. The manifest
+is written last, by :meth:`Store.finalize`, once every shard in ``plan.json`` has a record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from hsx_extractor import __version__
+from hsx_extractor.config import EXIT_PERMANENT, EXIT_TRANSIENT, OutputSpec
+from hsx_extractor.keys import (
+    MANIFEST_NAME,
+    PLAN_NAME,
+    InvalidKeyError,
+    RunLayout,
+    parse_output_uri,
+    validate_name,
+)
+from hsx_extractor.shards import (
+    COMPRESSION_CODECS,
+    MANIFEST_VERSION,
+    QuarantineEntry,
+    SampleEntry,
+    SampleRecord,
+    ShardCommit,
+    ShardFormatError,
+    ShardHeader,
+    decode_sample,
+    encode_sample,
+    header_length,
+    layout_shard,
+    parse_header,
+)
+
+HEAD_PROBE_BYTES = 64 << 10  # first read of a shard; usually holds the whole header
+
+
+class StoreError(Exception):
+    """Base of storage failures. ``exit_code`` is what ``hsx extract`` should exit with."""
+
+    exit_code = EXIT_TRANSIENT
+
+
+class TransientStoreError(StoreError):
+    """A retryable failure that persisted past the retry budget."""
+
+
+class PermanentStoreError(StoreError):
+    """Retrying cannot help: access denied, no such bucket, bad credentials, invalid key."""
+
+    exit_code = EXIT_PERMANENT
+
+
+class ShardConflictError(PermanentStoreError):
+    """A different object already holds this shard's key. It is never overwritten."""
+
+
+class ObjectSource(Protocol):
+    """Bytes of an object to upload, readable at any offset from several threads."""
+
+    @property
+    def size(self) -> int: ...
+
+    def read_at(self, offset: int, length: int) -> bytes: ...
+
+
+class Backend(Protocol):
+    """What the commit protocol needs from a store. Keys are relative to the store root."""
+
+    description: str  # for messages: "s3://bucket" or a directory
+
+    def get(self, key: str) -> bytes | None: ...
+
+    def get_range(self, key: str, start: int, length: int) -> bytes: ...
+
+    def size(self, key: str) -> int | None: ...
+
+    def put_if_absent(self, key: str, data: bytes) -> bool: ...
+
+    def upload_if_absent(self, key: str, source: ObjectSource, metadata: dict[str, str]) -> bool: ...
+
+    def list_keys(self, prefix: str) -> Iterator[str]: ...
+
+    def iter_object(self, key: str, chunk_size: int) -> Iterator[bytes]: ...
+
+    def abort_uploads(self, prefix: str) -> int: ...
+
+
+@dataclass(frozen=True)
+class SpooledObject:
+    """An object made of a header and ordered regions of a spool file (no copy is made)."""
+
+    header: bytes
+    fd: int
+    regions: tuple[tuple[int, int], ...]  # (spool offset, length) in object order
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(n for _, n in self.regions)
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        out = bytearray()
+        pos = 0
+        end = offset + length
+        for seg_start, seg_len, spool_off in self._segments():
+            lo, hi = max(offset, seg_start), min(end, seg_start + seg_len)
+            if lo < hi:
+                if spool_off is None:
+                    out += self.header[lo - seg_start : hi - seg_start]
+                else:
+                    out += _pread_exact(self.fd, hi - lo, spool_off + lo - seg_start)
+            pos = seg_start + seg_len
+            if pos >= end:
+                break
+        return bytes(out)
+
+    def _segments(self) -> Iterator[tuple[int, int, int | None]]:
+        yield 0, len(self.header), None
+        pos = len(self.header)
+        for spool_off, n in self.regions:
+            yield pos, n, spool_off
+            pos += n
+
+
+def _pread_exact(fd: int, n: int, offset: int) -> bytes:
+    data = os.pread(fd, n, offset)
+    if len(data) != n:
+        raise OSError(f"spool file short read: {len(data)} of {n} bytes at {offset}")
+    return data
+
+
+class ShardBuilder:
+    """Collects one shard's samples in a spool file, then seals (encodes, uploads, commits) it."""
+
+    def __init__(self, store: Store, shard_index: int, indices: range, codec: str, spool_dir: str | None):
+        self._store = store
+        self.shard_index = shard_index
+        self.indices = indices
+        self._codec = codec
+        self._lock = threading.Lock()
+        fd, path = tempfile.mkstemp(prefix=f"hsx-shard-{shard_index:06d}-", suffix=".spool", dir=spool_dir)
+        os.unlink(path)  # anonymous: a killed process leaves nothing behind
+        self._fd: int | None = fd
+        self._spool_end = 0
+        self._entries: dict[int, tuple[SampleEntry, int]] = {}
+        self._quarantine: dict[int, QuarantineEntry] = {}
+        self.result: ShardCommit | None = None
+
+    def _claim(self, index: int) -> None:
+        if self._fd is None:
+            raise RuntimeError(f"shard {self.shard_index} is already sealed or aborted")
+        if index not in self.indices:
+            raise ValueError(f"sample index {index} is outside shard {self.shard_index} ({self.indices})")
+        if index in self._entries or index in self._quarantine:
+            raise ValueError(f"sample index {index} was already added to shard {self.shard_index}")
+
+    def add(self, sample: SampleRecord) -> None:
+        encoded = encode_sample(sample, self._codec)  # CPU work outside the lock
+        with self._lock:
+            self._claim(sample.index)
+            assert self._fd is not None
+            os.pwrite(self._fd, encoded.payload, self._spool_end)
+            self._entries[sample.index] = (encoded.entry, self._spool_end)
+            self._spool_end += len(encoded.payload)
+
+    def quarantine(self, entry: QuarantineEntry) -> None:
+        with self._lock:
+            self._claim(entry.index)
+            self._quarantine[entry.index] = entry
+
+    def missing(self) -> list[int]:
+        with self._lock:
+            return [i for i in self.indices if i not in self._entries and i not in self._quarantine]
+
+    def seal(self) -> ShardCommit:
+        """Upload and commit. Safe to call again after a failure; a sealed builder returns its commit."""
+        with self._lock:
+            if self.result is not None:
+                return self.result
+            if self._fd is None:
+                raise RuntimeError(f"shard {self.shard_index} was aborted")
+            missing = [i for i in self.indices if i not in self._entries and i not in self._quarantine]
+            if missing:
+                raise ValueError(
+                    f"shard {self.shard_index}: {len(missing)} indices neither added nor quarantined, e.g. {missing[:5]}"
+                )
+            header, placed = layout_shard(self.shard_index, (e for e, _ in self._entries.values()))
+            regions = tuple((self._entries[e.index][1], e.length) for e in placed)
+            source = SpooledObject(header, self._fd, regions)
+            commit = ShardCommit(
+                shard_index=self.shard_index,
+                samples=len(placed),
+                quarantined=len(self._quarantine),
+                bytes_stored=source.size,
+                bytes_raw=sum(e.raw_bytes for e in placed),
+                key=self._store.layout.shard_key(self.shard_index),
+                checksum=parse_header(header).header_checksum,
+                start=self.indices.start,
+                stop=self.indices.stop,
+                sample_indices=tuple(e.index for e in placed),
+                quarantine=tuple(self._quarantine[i] for i in sorted(self._quarantine)),
+            )
+            self._store.commit_shard(commit, source)
+            self.result = commit
+            self._close()
+            return commit
+
+    def abort(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> ShardBuilder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+
+def canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+class Store:
+    """One run's output: plan, shards, commit records, manifest."""
+
+    def __init__(self, backend: Backend, layout: RunLayout, output: OutputSpec, spool_dir: str | None = None):
+        self.backend = backend
+        self.layout = layout
+        self.output = output
+        self.codec = COMPRESSION_CODECS[output.compression]
+        self.spool_dir = spool_dir
+
+    @property
+    def description(self) -> str:
+        return f"{self.backend.description}/{self.layout.root}"
+
+    # -- small JSON objects -------------------------------------------------------------
+    def get_json(self, name: str) -> dict[str, Any] | None:
+        data = self.backend.get(self.layout.key(validate_name(name)))
+        if data is None:
+            return None
+        try:
+            obj = json.loads(data)
+        except ValueError as exc:
+            raise PermanentStoreError(f"{self.description}/{name} is not JSON: {exc}") from exc
+        if not isinstance(obj, dict):
+            raise PermanentStoreError(f"{self.description}/{name} is not a JSON object")
+        return obj
+
+    def put_json_if_absent(self, name: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """Create ``name`` unless it exists; return what is stored (ours or the earlier one)."""
+        key = self.layout.key(validate_name(name))
+        if self.backend.put_if_absent(key, canonical_json(obj)):
+            return json.loads(canonical_json(obj))  # type: ignore[no-any-return]
+        stored = self.get_json(name)
+        if stored is None:
+            raise TransientStoreError(
+                f"{self.description}/{name}: conditional write refused but the object is gone"
+            )
+        return stored
+
+    # -- shards ---------------------------------------------------------------------------
+    def committed_shards(self) -> set[int]:
+        """Shards with a commit record: the ones a restarted run skips."""
+        found = set()
+        for key in self.backend.list_keys(self.layout.commits_prefix):
+            k = self.layout.shard_of_commit_key(key)
+            if k is not None:
+                found.add(k)
+        return found
+
+    def get_commit(self, shard_index: int) -> ShardCommit | None:
+        data = self.backend.get(self.layout.commit_key(shard_index))
+        if data is None:
+            return None
+        try:
+            return ShardCommit.from_json(json.loads(data))
+        except (ValueError, ShardFormatError) as exc:
+            raise PermanentStoreError(
+                f"commit record of shard {shard_index} in {self.description} is damaged: {exc}"
+            ) from exc
+
+    def open_shard(self, shard_index: int, indices: range) -> ShardBuilder:
+        if indices.step != 1 or indices.start < 0 or len(indices) == 0:
+            raise ValueError(
+                f"shard {shard_index}: indices must be a non-empty range with step 1, got {indices}"
+            )
+        self.layout.shard_key(shard_index)  # validates the index
+        return ShardBuilder(self, shard_index, indices, self.codec, self.spool_dir)
+
+    def abort_stale_uploads(self, shard_index: int | None = None) -> int:
+        """Abort unfinished uploads of one shard (or of every shard of this run)."""
+        prefix = self.layout.shard_key(shard_index) if shard_index is not None else self.layout.shards_prefix
+        return self.backend.abort_uploads(prefix)
+
+    def commit_shard(self, commit: ShardCommit, source: ObjectSource) -> None:
+        """Steps 1 and 2 of the protocol (module docstring)."""
+        self.abort_stale_uploads(commit.shard_index)
+        metadata = {"hsx-checksum": commit.checksum, "hsx-format": "hsx-shard/1"}
+        if not self.backend.upload_if_absent(commit.key, source, metadata):
+            self._check_same_shard(commit)
+        record = canonical_json(commit.to_json())
+        commit_key = self.layout.commit_key(commit.shard_index)
+        if not self.backend.put_if_absent(commit_key, record):
+            existing = self.backend.get(commit_key)
+            if existing is None or json.loads(existing) != json.loads(record):
+                raise ShardConflictError(
+                    f"commit record {self.backend.description}/{commit_key} already exists with different "
+                    "content; another writer committed a different shard. Not overwriting."
+                )
+
+    def _check_same_shard(self, commit: ShardCommit) -> None:
+        size = self.backend.size(commit.key)
+        try:
+            header = self.read_header_key(commit.key) if size is not None else None
+        except ShardFormatError:
+            header = None
+        if size != commit.bytes_stored or header is None or header.header_checksum != commit.checksum:
+            raise ShardConflictError(
+                f"{self.backend.description}/{commit.key} already exists with different content "
+                f"(size {size}, expected {commit.bytes_stored}; checksum "
+                f"{header.header_checksum if header else 'unreadable'}, expected {commit.checksum}). "
+                "Two writers produced different data for one shard; not overwriting."
+            )
+
+    # -- reading ----------------------------------------------------------------------------
+    def read_header_key(self, key: str) -> ShardHeader:
+        head = self.backend.get_range(key, 0, HEAD_PROBE_BYTES)
+        total = header_length(head)
+        if total > len(head):
+            head += self.backend.get_range(key, len(head), total - len(head))
+        return parse_header(head)
+
+    def read_header(self, shard_index: int) -> ShardHeader:
+        return self.read_header_key(self.layout.shard_key(shard_index))
+
+    def read_sample(
+        self, shard_index: int, header: ShardHeader, entry: SampleEntry, verify: bool = True
+    ) -> SampleRecord:
+        """One ranged read, then decode (and checksum unless ``verify`` is False)."""
+        data = self.backend.get_range(
+            self.layout.shard_key(shard_index), header.data_start + entry.offset, entry.length
+        )
+        return decode_sample(data, entry, verify=verify)
+
+    # -- the end ---------------------------------------------------------------------------
+    def finalize(self, run_info: dict[str, Any]) -> dict[str, Any] | None:
+        """Write manifest.json once every planned shard is committed; None while some are not."""
+        existing = self.get_json(MANIFEST_NAME)
+        if existing is not None:
+            return existing
+        plan = self.get_json(PLAN_NAME)
+        if plan is None:
+            raise PermanentStoreError(f"{self.description}/{PLAN_NAME} is missing; cannot finalize")
+        planned = plan_shards(plan)
+        committed = self.committed_shards()
+        if any(k not in committed for k, _, _ in planned):
+            return None
+        commits = []
+        for k, start, stop in planned:
+            c = self.get_commit(k)
+            if c is None:
+                return None
+            if (c.start, c.stop) != (start, stop):
+                raise ShardConflictError(
+                    f"shard {k} was committed for indices [{c.start}, {c.stop}) but plan.json says [{start}, {stop})"
+                )
+            commits.append(c)
+        self.abort_stale_uploads()
+        manifest = build_manifest(self.layout.run_id, self.output.compression, commits, run_info)
+        return self.put_json_if_absent(MANIFEST_NAME, manifest)
+
+
+def plan_shards(plan: dict[str, Any]) -> list[tuple[int, int, int]]:
+    """``(shard index, start, stop)`` from plan.json's ``shards: [{index, start, stop}]``."""
+    try:
+        shards = [(int(s["index"]), int(s["start"]), int(s["stop"])) for s in plan["shards"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PermanentStoreError(f"plan.json needs shards: [{{index, start, stop}}, ...]: {exc}") from exc
+    if len({k for k, _, _ in shards}) != len(shards):
+        raise PermanentStoreError("plan.json lists a shard twice")
+    return sorted(shards)
+
+
+def build_manifest(
+    run_id: str, compression: str, commits: Iterable[ShardCommit], run_info: dict[str, Any]
+) -> dict[str, Any]:
+    """The dataset-level manifest (pure)."""
+    commits = sorted(commits, key=lambda c: c.shard_index)
+    raw = sum(c.bytes_raw for c in commits)
+    stored = sum(c.bytes_stored for c in commits)
+    return {
+        "format": MANIFEST_VERSION,
+        "runId": run_id,
+        "hsxVersion": __version__,
+        "run": run_info,
+        "samples": sum(c.samples for c in commits),
+        "quarantined": sum(c.quarantined for c in commits),
+        "compression": {
+            "setting": compression,
+            "bytesRaw": raw,
+            "bytesStored": stored,
+            "ratio": round(raw / stored, 4) if stored else None,
+        },
+        "shards": [
+            {
+                "index": c.shard_index,
+                "key": c.key,
+                "start": c.start,
+                "stop": c.stop,
+                "samples": c.samples,
+                "quarantined": c.quarantined,
+                "bytesStored": c.bytes_stored,
+                "bytesRaw": c.bytes_raw,
+                "checksum": c.checksum,
+            }
+            for c in commits
+        ],
+        "quarantine": [q.to_json() for c in commits for q in c.quarantine],
+    }
+
+
+class LocalBackend:
+    """A directory as a store. Create-if-absent is ``link()`` of a complete temp file: atomic."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root).absolute()
+        self.description = str(self.root)
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if not path.is_relative_to(self.root.resolve()):
+            raise InvalidKeyError(f"key {key!r} escapes {self.root}")
+        return path
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        with open(self._path(key), "rb") as f:
+            f.seek(start)
+            return f.read(length)
+
+    def size(self, key: str) -> int | None:
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def _create(self, key: str, chunks: Iterable[bytes]) -> bool:
+        final = self._path(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                return False
+            return True
+        finally:
+            os.unlink(tmp)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        return self._create(key, [data])
+
+    def upload_if_absent(self, key: str, source: ObjectSource, metadata: dict[str, str]) -> bool:
+        step = 8 << 20
+        return self._create(
+            key, (source.read_at(o, min(step, source.size - o)) for o in range(0, source.size, step))
+        )
+
+    def list_keys(self, prefix: str) -> Iterator[str]:
+        base = self._path(prefix.rstrip("/")) if prefix.rstrip("/") else self.root
+        if not base.is_dir():
+            return
+        for path in sorted(base.rglob("*")):
+            if path.is_file() and not path.name.startswith("."):
+                yield path.relative_to(self.root).as_posix()
+
+    def iter_object(self, key: str, chunk_size: int) -> Iterator[bytes]:
+        with open(self._path(key), "rb") as f:
+            while chunk := f.read(chunk_size):
+                yield chunk
+
+    def abort_uploads(self, prefix: str) -> int:
+        # Temp files of writers killed mid-write; a live writer's temp file vanishes on link anyway.
+        path = self._path(prefix)
+        directory, stem = (path, "") if prefix.endswith("/") else (path.parent, path.name)
+        count = 0
+        if directory.is_dir():
+            for tmp in directory.glob(f".{stem}*.tmp"):
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+                    count += 1
+        return count
+
+
+def open_backend(uri: str, output: OutputSpec | None = None) -> tuple[Backend, str]:
+    """The backend for an output URI and the key prefix inside it."""
+    location = parse_output_uri(uri)
+    if location.bucket is None:
+        return LocalBackend(location.prefix), ""
+    from hsx_extractor.s3store import S3Backend
+
+    return S3Backend.from_output(location.bucket, output or OutputSpec(uri=uri)), location.prefix
+
+
+def open_store(output: OutputSpec, run_id: str, spool_dir: str | None = None) -> Store:
+    """The store of run ``run_id`` under ``output.uri`` (local directory or ``s3://``)."""
+    backend, prefix = open_backend(output.uri, output)
+    return Store(backend, RunLayout(prefix, run_id), output, spool_dir)
+
+
+def open_uri_lines(uri: str, output: OutputSpec | None = None) -> Iterator[bytes]:
+    """Lines (with their newline) of a local file, ``file://`` or ``s3://bucket/key`` object.
+
+    For ``s3://``, ``output`` supplies endpoint, region and path style (credentials come from
+    the AWS chain); without it the AWS defaults apply.
+    """
+    if uri.startswith("s3://"):
+        from hsx_extractor.s3store import S3Backend, split_object_uri
+
+        bucket, key = split_object_uri(uri)
+        yield from S3Backend.from_output(bucket, output or OutputSpec(uri=f"s3://{bucket}")).iter_lines(key)
+        return
+    path = uri[len("file://") :] if uri.startswith("file://") else uri
+    with open(path, "rb") as f:
+        yield from f
