@@ -45,26 +45,38 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
-{{/* Namespace-scoped RBAC needs the list of namespaces; fail early with a message that says so. */}}
-{{- define "hsx.checkScope" -}}
+{{- define "hsx.peeringName" -}}
+{{- default (include "hsx.fullname" .) .Values.peering.name -}}
+{{- end -}}
+
+{{/* Combinations that would install something broken fail early, with a message that says why. */}}
+{{- define "hsx.checkValues" -}}
 {{- if and .Values.rbac.namespaced (empty .Values.watchNamespaces) -}}
 {{- fail "rbac.namespaced=true needs watchNamespaces: list the namespaces the operator may manage" -}}
 {{- end -}}
+{{- if and (gt (int .Values.replicaCount) 1) (not .Values.peering.enabled) -}}
+{{- fail "replicaCount > 1 needs peering.enabled=true: two standalone operators would reconcile the same jobs" -}}
+{{- end -}}
 {{- end -}}
 
-{{/*
-The rules the operator needs inside a namespace it manages (docs/rbac.md explains each).
-*/}}
+{{/* The rules the operator needs in a namespace it manages (docs/rbac.md says why each). */}}
 {{- define "hsx.namespacedRules" -}}
+# Watch runs; kopf patches metadata (finalizer, its annotations), the operator patches status.
 - apiGroups: ["hsx.dev"]
   resources: ["extractionjobs"]
   verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["hsx.dev"]
   resources: ["extractionjobs/status"]
   verbs: ["get", "patch"]
+# One Job per run; delete stops a superseded run or a deleted ExtractionJob's run.
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The extractor's config for each run.
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "create"]
+# Read pod state and the events of pending pods to explain a stuck run.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
@@ -74,4 +86,10 @@ The rules the operator needs inside a namespace it manages (docs/rbac.md explain
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+{{- if .Values.peering.enabled }}
+# kopf peering: standby replicas learn which one is active.
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  verbs: ["get", "list", "watch", "patch"]
+{{- end }}
 {{- end -}}
