@@ -533,13 +533,19 @@ def open_backend(uri: str, output: OutputSpec | None = None) -> tuple[Backend, s
         return LocalBackend(location.prefix), ""
     from hsx_extractor.s3store import S3Backend
 
-    return S3Backend.from_output(location.bucket, output or OutputSpec(uri=uri)), location.prefix
+    return S3Backend.from_output(
+        location.bucket, output or OutputSpec.model_validate({"uri": uri})
+    ), location.prefix
 
 
 def open_store(output: OutputSpec, run_id: str, spool_dir: str | None = None) -> Store:
     """The store of run ``run_id`` under ``output.uri`` (local directory or ``s3://``)."""
     backend, prefix = open_backend(output.uri, output)
-    return Store(backend, RunLayout(prefix, run_id), output, spool_dir)
+    store = Store(backend, RunLayout(prefix, run_id), output, spool_dir)
+    preflight = getattr(backend, "preflight", None)
+    if preflight is not None:  # S3: bad credentials or a missing bucket fail here, before any work
+        preflight(store.layout.root + "/")
+    return store
 
 
 def open_uri_lines(uri: str, output: OutputSpec | None = None) -> Iterator[bytes]:
@@ -552,7 +558,9 @@ def open_uri_lines(uri: str, output: OutputSpec | None = None) -> Iterator[bytes
         from hsx_extractor.s3store import S3Backend, split_object_uri
 
         bucket, key = split_object_uri(uri)
-        yield from S3Backend.from_output(bucket, output or OutputSpec(uri=f"s3://{bucket}")).iter_lines(key)
+        yield from S3Backend.from_output(
+            bucket, output or OutputSpec.model_validate({"uri": f"s3://{bucket}"})
+        ).iter_lines(key)
         return
     path = uri[len("file://") :] if uri.startswith("file://") else uri
     with open(path, "rb") as f:

@@ -1,0 +1,467 @@
+"""S3 backend of the store: conditional writes, concurrent multipart uploads, retries.
+
+Three separate pieces, s3transfer-style: :class:`S3TransferConfig` (every knob, one object),
+:class:`Retrier` (error classification and jittered backoff) and :class:`MultipartUploader`
+(the transfer logic), all driving one boto3 client built by :func:`make_client` from the
+standard AWS credential chain. botocore's own retries are off so that one policy decides.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Final, TypeVar
+
+import boto3
+import botocore.config
+import botocore.exceptions
+import urllib3.exceptions
+
+from hsx_extractor.config import OutputSpec
+from hsx_extractor.keys import InvalidKeyError, parse_output_uri, validate_prefix
+from hsx_extractor.store import ObjectSource, PermanentStoreError, TransientStoreError
+
+T = TypeVar("T")
+
+TRANSIENT: Final = "transient"
+PERMANENT: Final = "permanent"
+PRECONDITION: Final = "precondition"  # 412: the key exists
+CONFLICT: Final = "conflict"  # 409: a concurrent conditional write
+NO_UPLOAD: Final = "no_upload"  # the multipart upload is gone (aborted by a restarted writer)
+NOT_FOUND: Final = "not_found"
+
+_THROTTLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+        "RequestTimeTooSkewed",
+    }
+)
+_CONNECTION_ERRORS = (
+    botocore.exceptions.EndpointConnectionError,
+    botocore.exceptions.ConnectionClosedError,
+    botocore.exceptions.ReadTimeoutError,
+    botocore.exceptions.ConnectTimeoutError,
+    botocore.exceptions.ResponseStreamingError,
+    botocore.exceptions.IncompleteReadError,
+    botocore.exceptions.HTTPClientError,
+    botocore.exceptions.FlexibleChecksumError,
+    urllib3.exceptions.HTTPError,
+    ConnectionError,
+    TimeoutError,
+)
+_CAUSES = {
+    "InvalidAccessKeyId": "bad credentials: the access key is unknown (check AWS_ACCESS_KEY_ID / credentialsSecret)",
+    "SignatureDoesNotMatch": "bad credentials: the secret key is wrong (check AWS_SECRET_ACCESS_KEY / credentialsSecret)",
+    "AccessDenied": "access denied by the bucket policy or IAM",
+    "NoSuchBucket": "the bucket does not exist",
+    "InvalidBucketName": "the bucket name is invalid",
+    "ExpiredToken": "the session token expired",
+    "InvalidToken": "the session token is invalid",
+}
+
+
+@dataclass(frozen=True)
+class S3TransferConfig:
+    """Every S3 transfer knob in one object."""
+
+    part_size: int = 64 << 20  # multipart part size in bytes (>= 5 MiB)
+    concurrency: int = 16  # parts in flight per upload
+    max_attempts: int = 8  # tries of one request before a transient error is fatal
+    backoff_base: float = 0.1  # seconds; the n-th retry sleeps uniform(0, min(cap, base * 2**n))
+    backoff_cap: float = 8.0
+    max_upload_restarts: int = 4  # fresh multipart uploads after 409 / a vanished upload
+    connect_timeout: float = 10.0
+    read_timeout: float = 120.0
+
+    @classmethod
+    def from_output(cls, output: OutputSpec) -> S3TransferConfig:
+        return cls(part_size=output.partSizeBytes, concurrency=output.uploadConcurrency)
+
+
+def make_client(output: OutputSpec, config: S3TransferConfig) -> Any:
+    """A boto3 S3 client: credentials from the AWS chain, optional endpoint and path style."""
+    client_config = botocore.config.Config(
+        region_name=output.region,
+        s3={"addressing_style": "path" if output.pathStyle else "auto"},
+        retries={"total_max_attempts": 1},
+        max_pool_connections=config.concurrency + 8,
+        connect_timeout=config.connect_timeout,
+        read_timeout=config.read_timeout,
+    )
+    return boto3.session.Session().client("s3", endpoint_url=output.endpoint, config=client_config)
+
+
+def error_code(exc: BaseException) -> tuple[str, int]:
+    if isinstance(exc, botocore.exceptions.ClientError):
+        err = exc.response.get("Error", {})
+        meta = exc.response.get("ResponseMetadata", {})
+        return str(err.get("Code", "")), int(meta.get("HTTPStatusCode", 0) or 0)
+    return type(exc).__name__, 0
+
+
+def classify(exc: BaseException) -> str:
+    """Which of TRANSIENT, PERMANENT, PRECONDITION, CONFLICT, NO_UPLOAD, NOT_FOUND ``exc`` is."""
+    if isinstance(exc, RetryableConflict):
+        return TRANSIENT
+    if isinstance(exc, botocore.exceptions.ClientError):
+        code, status = error_code(exc)
+        if status == 412 or code == "PreconditionFailed":
+            return PRECONDITION
+        if code == "NoSuchUpload":
+            return NO_UPLOAD
+        if code in ("NoSuchKey", "NotFound") or (status == 404 and code in ("404", "")):
+            return NOT_FOUND
+        if status == 409 and code != "BucketAlreadyExists":
+            return CONFLICT
+        if code in _THROTTLE_CODES or status >= 500 or status == 429:
+            return TRANSIENT
+        return PERMANENT
+    if isinstance(exc, botocore.exceptions.NoCredentialsError | botocore.exceptions.PartialCredentialsError):
+        return PERMANENT
+    if isinstance(exc, _CONNECTION_ERRORS):
+        return TRANSIENT
+    return PERMANENT
+
+
+class RetryableConflict(Exception):
+    """A 409 on a single PUT: another conditional write of the key is in flight; ask again."""
+
+
+class Retrier:
+    """Runs one S3 request with retries of transient errors; raises store errors otherwise."""
+
+    def __init__(self, config: S3TransferConfig, bucket: str, prefix: str, seed: int | None = None):
+        self.config = config
+        self.bucket = bucket
+        self.prefix = prefix
+        self._random = random.Random(seed)
+        self._lock = threading.Lock()
+        self.retries = 0  # transient errors absorbed (for tests and metrics)
+
+    def backoff(self, attempt: int) -> float:
+        with self._lock:
+            return self._random.uniform(
+                0, min(self.config.backoff_cap, self.config.backoff_base * 2**attempt)
+            )
+
+    def call(self, what: str, key: str, fn: Callable[[], T], passthrough: tuple[str, ...] = ()) -> T:
+        """``fn()``; errors whose class is in ``passthrough`` are re-raised for the caller to handle."""
+        for attempt in range(self.config.max_attempts):
+            try:
+                return fn()
+            except Exception as exc:
+                kind = classify(exc)
+                if kind in passthrough:
+                    raise
+                if kind != TRANSIENT:
+                    raise self.permanent(what, key, exc) from exc
+                if attempt + 1 == self.config.max_attempts:
+                    code, status = error_code(exc)
+                    raise TransientStoreError(
+                        f"S3 {what} s3://{self.bucket}/{key} still failing after {attempt + 1} tries: "
+                        f"{code} {status or ''} {exc} (bucket {self.bucket}, key prefix {self.prefix!r})"
+                    ) from exc
+                with self._lock:
+                    self.retries += 1
+                time.sleep(self.backoff(attempt))
+        raise AssertionError("unreachable")
+
+    def permanent(self, what: str, key: str, exc: BaseException) -> PermanentStoreError:
+        code, status = error_code(exc)
+        cause = _CAUSES.get(code, f"{code} (HTTP {status})" if status else code)
+        return PermanentStoreError(
+            f"S3 {what} failed permanently: {cause}. bucket {self.bucket!r}, key prefix {self.prefix!r}, "
+            f"key {key!r}: {exc}"
+        )
+
+
+class _RestartUpload(Exception):
+    """The multipart upload must start over (409 or the upload vanished)."""
+
+
+class MultipartUploader:
+    """Uploads one object if absent: concurrent checksummed parts, conditional completion."""
+
+    def __init__(self, client: Any, bucket: str, config: S3TransferConfig, retrier: Retrier):
+        self._client = client
+        self._bucket = bucket
+        self._config = config
+        self._retrier = retrier
+
+    def put_if_absent(self, key: str, body: bytes, metadata: dict[str, str] | None = None) -> bool:
+        """Single PUT with ``If-None-Match: *``. True if created, False if the key exists."""
+        extra = {"Metadata": metadata} if metadata else {}
+
+        def put() -> bool:
+            try:
+                self._client.put_object(
+                    Bucket=self._bucket,
+                    Key=key,
+                    Body=body,
+                    IfNoneMatch="*",
+                    ChecksumAlgorithm="CRC32",
+                    **extra,
+                )
+            except botocore.exceptions.ClientError as exc:
+                kind = classify(exc)
+                if kind == PRECONDITION:
+                    return False
+                if kind == CONFLICT:  # a concurrent write is landing: ask again
+                    raise RetryableConflict(str(exc)) from exc
+                raise
+            return True
+
+        return self._retrier.call("PutObject", key, put)
+
+    def upload_if_absent(self, key: str, source: ObjectSource, metadata: dict[str, str]) -> bool:
+        if source.size <= self._config.part_size:
+            return self.put_if_absent(key, source.read_at(0, source.size), metadata)
+        for _ in range(self._config.max_upload_restarts + 1):
+            try:
+                return self._upload_once(key, source, metadata)
+            except _RestartUpload:
+                continue
+        raise TransientStoreError(
+            f"multipart upload of s3://{self._bucket}/{key} kept conflicting "
+            f"({self._config.max_upload_restarts + 1} attempts)"
+        )
+
+    def _upload_once(self, key: str, source: ObjectSource, metadata: dict[str, str]) -> bool:
+        created = self._retrier.call(
+            "CreateMultipartUpload",
+            key,
+            lambda: self._client.create_multipart_upload(
+                Bucket=self._bucket, Key=key, Metadata=metadata, ChecksumAlgorithm="CRC32"
+            ),
+        )
+        upload_id = created["UploadId"]
+        try:
+            parts = self._upload_parts(key, upload_id, source)
+            outcome = self._complete(key, upload_id, parts)
+        except BaseException:
+            self._abort(key, upload_id)
+            raise
+        if outcome is None:  # the upload is gone: it may have completed before a lost response
+            if self._exists(key):
+                return False
+            raise _RestartUpload()
+        return outcome
+
+    def _upload_parts(self, key: str, upload_id: str, source: ObjectSource) -> list[dict[str, Any]]:
+        size, step = source.size, self._config.part_size
+        offsets = list(range(0, size, step))
+
+        def upload(number: int, offset: int) -> dict[str, Any]:
+            def send() -> dict[str, Any]:
+                body = source.read_at(offset, min(step, size - offset))
+                return self._client.upload_part(  # type: ignore[no-any-return]
+                    Bucket=self._bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    Body=body,
+                    ChecksumAlgorithm="CRC32",
+                )
+
+            try:
+                resp = self._retrier.call("UploadPart", key, send, passthrough=(NO_UPLOAD,))
+            except botocore.exceptions.ClientError as exc:
+                raise _RestartUpload() from exc
+            return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32": resp["ChecksumCRC32"]}
+
+        with ThreadPoolExecutor(max_workers=min(self._config.concurrency, len(offsets))) as pool:
+            futures = [pool.submit(upload, n + 1, off) for n, off in enumerate(offsets)]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+
+    def _complete(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> bool | None:
+        """True: created. False: the key already existed (412). None: the upload is gone."""
+        try:
+            self._retrier.call(
+                "CompleteMultipartUpload",
+                key,
+                lambda: self._client.complete_multipart_upload(
+                    Bucket=self._bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                    IfNoneMatch="*",
+                ),
+                passthrough=(PRECONDITION, CONFLICT, NO_UPLOAD),
+            )
+        except botocore.exceptions.ClientError as exc:
+            kind = classify(exc)
+            if kind == PRECONDITION:
+                self._abort(key, upload_id)
+                return False
+            if kind == CONFLICT:
+                self._abort(key, upload_id)
+                raise _RestartUpload() from exc
+            return None
+        return True
+
+    def _exists(self, key: str) -> bool:
+        try:
+            self._retrier.call(
+                "HeadObject",
+                key,
+                lambda: self._client.head_object(Bucket=self._bucket, Key=key),
+                (NOT_FOUND,),
+            )
+        except botocore.exceptions.ClientError:
+            return False
+        return True
+
+    def _abort(self, key: str, upload_id: str) -> None:
+        try:
+            self._retrier.call(
+                "AbortMultipartUpload",
+                key,
+                lambda: self._client.abort_multipart_upload(Bucket=self._bucket, Key=key, UploadId=upload_id),
+                passthrough=(NO_UPLOAD, NOT_FOUND),
+            )
+        except Exception:  # best effort; the next restart of this shard aborts it again
+            pass
+
+
+class S3Backend:
+    """The store's :class:`~hsx_extractor.store.Backend` on one bucket."""
+
+    def __init__(self, client: Any, bucket: str, config: S3TransferConfig, prefix: str = ""):
+        self.client = client
+        self.bucket = bucket
+        self.config = config
+        self.description = f"s3://{bucket}"
+        self.retrier = Retrier(config, bucket, prefix)
+        self.uploader = MultipartUploader(client, bucket, config, self.retrier)
+
+    @classmethod
+    def from_output(cls, bucket: str, output: OutputSpec) -> S3Backend:
+        config = S3TransferConfig.from_output(output)
+        prefix = parse_output_uri(output.uri).prefix if output.uri.startswith("s3://") else ""
+        return cls(make_client(output, config), bucket, config, prefix)
+
+    def preflight(self, prefix: str) -> None:
+        """Fail at once, naming the cause, when the bucket is missing or access is denied."""
+        self.retrier.call(
+            "ListObjectsV2",
+            prefix,
+            lambda: self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=1),
+        )
+
+    def get(self, key: str) -> bytes | None:
+        def fetch() -> bytes:
+            return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()  # type: ignore[no-any-return]
+
+        try:
+            return self.retrier.call("GetObject", key, fetch, passthrough=(NOT_FOUND,))
+        except botocore.exceptions.ClientError:
+            return None
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+
+        def fetch() -> bytes:
+            resp = self.client.get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}"
+            )
+            data: bytes = resp["Body"].read()
+            total = int(str(resp.get("ContentRange", "/0")).rsplit("/", 1)[-1] or 0)
+            if len(data) != min(length, max(total - start, 0)):
+                raise botocore.exceptions.IncompleteReadError(actual_bytes=len(data), expected_bytes=length)
+            return data
+
+        return self.retrier.call("GetObject", key, fetch)
+
+    def size(self, key: str) -> int | None:
+        try:
+            resp = self.retrier.call(
+                "HeadObject", key, lambda: self.client.head_object(Bucket=self.bucket, Key=key), (NOT_FOUND,)
+            )
+        except botocore.exceptions.ClientError:
+            return None
+        return int(resp["ContentLength"])
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        return self.uploader.put_if_absent(key, data)
+
+    def upload_if_absent(self, key: str, source: ObjectSource, metadata: dict[str, str]) -> bool:
+        if self.size(key) is not None:  # resume after a lost commit record: no need to re-upload to learn it
+            return False
+        return self.uploader.upload_if_absent(key, source, metadata)
+
+    def list_keys(self, prefix: str) -> Iterator[str]:
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self.retrier.call("ListObjectsV2", prefix, partial(self.client.list_objects_v2, **kwargs))
+            for obj in page.get("Contents", []):
+                yield obj["Key"]
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+
+    def list_uploads(self, prefix: str) -> list[tuple[str, str]]:
+        """(key, upload id) of unfinished multipart uploads under ``prefix``."""
+        found: list[tuple[str, str]] = []
+        markers: dict[str, str] = {}
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, **markers}
+            page = self.retrier.call(
+                "ListMultipartUploads", prefix, partial(self.client.list_multipart_uploads, **kwargs)
+            )
+            found += [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])]
+            if not page.get("IsTruncated"):
+                return found
+            markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
+    def abort_uploads(self, prefix: str) -> int:
+        uploads = self.list_uploads(prefix)
+        for key, upload_id in uploads:
+            self.uploader._abort(key, upload_id)
+        return len(uploads)
+
+    def iter_object(self, key: str, chunk_size: int) -> Iterator[bytes]:
+        size = self.size(key)
+        if size is None:
+            raise PermanentStoreError(f"s3://{self.bucket}/{key} does not exist")
+        for offset in range(0, size, chunk_size):
+            yield self.get_range(key, offset, min(chunk_size, size - offset))
+
+    def iter_lines(self, key: str, chunk_size: int = 8 << 20) -> Iterator[bytes]:
+        """Lines of an object, read in ranged chunks (each retried on its own)."""
+        rest = b""
+        for chunk in self.iter_object(key, chunk_size):
+            lines = (rest + chunk).split(b"\n")
+            rest = lines.pop()
+            for line in lines:
+                yield line + b"\n"
+        if rest:
+            yield rest
+
+
+def split_object_uri(uri: str) -> tuple[str, str]:
+    """``s3://bucket/key`` -> (bucket, key), with the key validated like a prefix."""
+    location = parse_output_uri(uri)
+    if location.bucket is None or not location.prefix:
+        raise InvalidKeyError(f"{uri!r} does not name an object (s3://bucket/key)")
+    return location.bucket, validate_prefix(location.prefix)
