@@ -1,0 +1,587 @@
+"""The ExtractionJob resource (hsx.dev/v1alpha1) as pydantic models: the one definition of the spec.
+
+crds/extractionjobs.hsx.dev.yaml is generated from these models by :mod:`hsx_operator.crdgen`.
+Descriptions become ``kubectl explain`` text; ``x-kubernetes-validations`` (CEL) hold the checks
+the API server enforces across fields. The dataset, output and validation blocks are the
+extractor's own config models, so the CRD and ``hsx extract`` cannot disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hsx_extractor.config import RUN_ID_PATTERN, DatasetSpec, OutputSpec, ValidationSpec
+
+GROUP = "hsx.dev"
+VERSION = "v1alpha1"
+KIND = "ExtractionJob"
+PLURAL = "extractionjobs"
+SINGULAR = "extractionjob"
+SHORT_NAMES = ("xj",)
+
+DEFAULT_SERVER_IMAGE = "ghcr.io/hsx-dev/hsx-sglang:0.1.0"
+DEFAULT_EXTRACTOR_IMAGE = "ghcr.io/hsx-dev/hsx-extractor:0.1.0"
+
+# Kubernetes resource quantity (1, 500m, 16Gi, 1.5e3, ...).
+QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(([KMGTPE]i)|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+ABS_PATH_PATTERN = r"^/.*$"
+
+# Bounds keep CEL's estimated cost within the API server's budget (it prices by maximum size).
+_STR = 4096
+_LIST = 64
+
+
+def cel(rule: str, message: str, **extra: Any) -> dict[str, Any]:
+    """One ``x-kubernetes-validations`` entry."""
+    return {"rule": rule, "message": message, **extra}
+
+
+class _Spec(BaseModel):
+    # Unknown fields are errors, as in the extractor's config.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class PVCSource(_Spec):
+    """A PersistentVolumeClaim holding the model weights."""
+
+    claimName: str = Field(
+        description="Name of the PersistentVolumeClaim in the job's namespace.", min_length=1, max_length=253
+    )
+    subPath: str | None = Field(
+        default=None, description="Directory inside the volume to mount instead of its root.", max_length=_STR
+    )
+
+
+class HostPathSource(_Spec):
+    """A directory on the node holding the model weights (single-node clusters, pre-staged nodes)."""
+
+    path: str = Field(
+        description="Absolute directory on the node.", pattern=ABS_PATH_PATTERN, max_length=_STR
+    )
+
+
+class ImageSource(_Spec):
+    """An OCI image holding the model weights, mounted as an image volume (read-only)."""
+
+    reference: str = Field(
+        description="Image reference, for example registry.example.com/models/llama:3.1-8b.",
+        min_length=1,
+        max_length=_STR,
+    )
+    pullPolicy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="When the node pulls the image: Always, IfNotPresent or Never."
+    )
+
+
+class ModelSource(_Spec):
+    """Where the weights come from. Set exactly one of pvc, hostPath and image."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "[has(self.pvc), has(self.hostPath), has(self.image)].filter(x, x).size() == 1",
+                    "model.source needs exactly one of pvc, hostPath or image",
+                )
+            ]
+        }
+    )
+
+    pvc: PVCSource | None = Field(default=None, description="Mount a PersistentVolumeClaim.")
+    hostPath: HostPathSource | None = Field(default=None, description="Mount a directory of the node.")
+    image: ImageSource | None = Field(default=None, description="Mount an OCI image as a volume.")
+
+
+class ModelSpec(_Spec):
+    """The target model whose hidden states are captured."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.source) || self.path.startsWith(self.mountPath)",
+                    "model.path must lie inside model.mountPath when model.source is set",
+                )
+            ]
+        }
+    )
+
+    path: str = Field(
+        description="Model directory inside the containers (config.json, weights, tokenizer). With a source, "
+        "it lies under mountPath; without one, the weights are baked into the server image.",
+        pattern=ABS_PATH_PATTERN,
+        max_length=_STR,
+    )
+    source: ModelSource | None = Field(
+        default=None,
+        description="Volume holding the weights, mounted read-only at mountPath in both containers.",
+    )
+    mountPath: str = Field(
+        default="/models",
+        description="Where the model volume is mounted.",
+        pattern=ABS_PATH_PATTERN,
+        max_length=_STR,
+    )
+    auxLayerIds: list[int] | None = Field(
+        default=None,
+        description="Layer ids for --return-aux-hidden-state-layer-ids (SGLang's convention: an id names the "
+        "layer whose output is captured). Omit for EAGLE-3's default: inputs of layers 2, N/2 and N-3.",
+        min_length=1,
+        max_length=8,
+        json_schema_extra={"items": {"type": "integer", "minimum": 0, "maximum": 1023}},
+    )
+
+
+class EnvVar(_Spec):
+    """One environment variable with a literal value."""
+
+    name: str = Field(description="Variable name.", pattern=ENV_NAME_PATTERN, max_length=256)
+    value: str = Field(default="", description="Variable value.", max_length=_STR)
+
+
+class Resources(_Spec):
+    """Compute resources of one container, as in a Pod spec (quantities such as 32, 500m, 64Gi)."""
+
+    requests: dict[str, str] = Field(
+        default_factory=dict,
+        description="Minimum resources the scheduler reserves, by resource name.",
+        json_schema_extra={
+            "additionalProperties": {"type": "string", "pattern": QUANTITY_PATTERN, "maxLength": 64},
+            "maxProperties": 16,
+        },
+    )
+    limits: dict[str, str] = Field(
+        default_factory=dict,
+        description="Maximum resources, by resource name.",
+        json_schema_extra={
+            "additionalProperties": {"type": "string", "pattern": QUANTITY_PATTERN, "maxLength": 64},
+            "maxProperties": 16,
+        },
+    )
+
+
+class ServerSpec(_Spec):
+    """The patched SGLang server, run as a native sidecar that owns the GPUs."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.tensorParallel) || self.gpus % self.tensorParallel == 0",
+                    "server.gpus must be a multiple of server.tensorParallel (the rest is data parallel)",
+                ),
+                cel(
+                    "!('nvidia.com/gpu' in self.resources.requests) && !('nvidia.com/gpu' in self.resources.limits)",
+                    "set server.gpus instead of nvidia.com/gpu in server.resources",
+                ),
+                cel(
+                    "self.env.all(e, e.name != 'SGLANG_HS_DUMP_DIR')",
+                    "SGLANG_HS_DUMP_DIR is set by the operator and cannot be overridden in server.env",
+                ),
+            ]
+        }
+    )
+
+    image: str = Field(
+        default=DEFAULT_SERVER_IMAGE,
+        description="Server image (SGLang with the hsx dump hook).",
+        min_length=1,
+        max_length=_STR,
+    )
+    imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="When the node pulls the server image."
+    )
+    gpus: int = Field(
+        default=8, ge=1, le=16, description="nvidia.com/gpu limit of the server container (one pod)."
+    )
+    tensorParallel: int | None = Field(
+        default=None,
+        ge=1,
+        le=16,
+        description="Tensor-parallel size (--tp). Defaults to gpus; gpus/tensorParallel is the data-parallel size.",
+    )
+    port: int = Field(
+        default=30000, ge=1024, le=65535, description="Port the server listens on inside the pod."
+    )
+    extraArgs: list[str] = Field(
+        default_factory=list,
+        description="Extra arguments appended to the server's command line (for example --mem-fraction-static 0.8).",
+        max_length=_LIST,
+        json_schema_extra={"items": {"type": "string", "maxLength": 1024}},
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list, description="Extra environment of the server container.", max_length=_LIST
+    )
+    startupTimeoutSeconds: int = Field(
+        default=1800,
+        ge=10,
+        le=86400,
+        description="Budget of the server's startup probe on /health (weights loading, CUDA graphs). When it "
+        "runs out the server container is restarted.",
+    )
+    resources: Resources = Field(
+        default_factory=Resources,
+        description="CPU and memory of the server container; GPUs come from gpus.",
+        json_schema_extra={"default": {}},
+    )
+    shmSize: str = Field(
+        default="16Gi",
+        description="Size of the shared-memory volume (/dev/shm) that holds NCCL buffers and the dumps waiting "
+        "for the extractor. It counts against the pod's memory.",
+        pattern=QUANTITY_PATTERN,
+        max_length=64,
+    )
+
+
+class ExtractorSpec(_Spec):
+    """The hsx extractor, the pod's main container."""
+
+    image: str = Field(
+        default=DEFAULT_EXTRACTOR_IMAGE, description="Extractor image.", min_length=1, max_length=_STR
+    )
+    imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="When the node pulls the extractor image."
+    )
+    resources: Resources = Field(
+        default_factory=Resources,
+        description="CPU and memory of the extractor container.",
+        json_schema_extra={"default": {}},
+    )
+    progressPort: int = Field(
+        default=8080, ge=1024, le=65535, description="Port of the extractor's /progress and /metrics."
+    )
+    dumpDirMaxBytes: int = Field(
+        default=8 << 30,
+        ge=1 << 20,
+        description="Back-pressure: fewer requests are sent while waiting dumps exceed this many bytes.",
+    )
+
+
+class Toleration(_Spec):
+    """A Pod toleration (see the Pod API)."""
+
+    key: str | None = Field(
+        default=None,
+        description="Taint key; empty with operator Exists tolerates everything.",
+        max_length=316,
+    )
+    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
+    value: str | None = Field(default=None, description="Taint value for operator Equal.", max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to tolerate; empty tolerates all effects."
+    )
+    tolerationSeconds: int | None = Field(
+        default=None, description="For NoExecute: how long the pod stays bound after the taint appears."
+    )
+
+
+class SchedulingSpec(_Spec):
+    """Where the pods may run and how they are queued."""
+
+    nodeSelector: dict[str, str] = Field(
+        default_factory=dict,
+        description="Node labels the pods require.",
+        json_schema_extra={"maxProperties": 32, "additionalProperties": {"type": "string", "maxLength": 63}},
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Taints the pods tolerate.", max_length=_LIST
+    )
+    affinity: dict[str, Any] | None = Field(
+        default=None,
+        description="Pod affinity, as in the Pod API (nodeAffinity, podAffinity, podAntiAffinity); passed through as is.",
+        json_schema_extra={"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+    )
+    priorityClassName: str | None = Field(
+        default=None, description="PriorityClass of the pods.", max_length=253
+    )
+    queueName: str | None = Field(
+        default=None,
+        description="Kueue LocalQueue: sets the kueue.x-k8s.io/queue-name label and creates the Job suspended so "
+        "Kueue admits it.",
+        max_length=63,
+        pattern=LABEL_VALUE_PATTERN,
+    )
+
+
+_LOCKED_FIELDS = (
+    "model",
+    "server",
+    "extractor",
+    "dataset",
+    "output",
+    "validation",
+    "concurrency",
+    "parallelism",
+    "backoffLimit",
+    "activeDeadlineSeconds",
+    "startupDeadlineSeconds",
+    "ttlSecondsAfterFinished",
+    "scheduling",
+)
+# A run's spec is fixed while its runId stays: change runId to run again with other settings.
+_LOCK_RULE = (
+    "self.runId != oldSelf.runId || ("
+    + " && ".join(f"self.?{f} == oldSelf.?{f}" for f in _LOCKED_FIELDS)
+    + ")"
+)
+
+
+class ExtractionJobSpec(_Spec):
+    """An extraction run: a model, a dataset and where the hidden states go."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    _LOCK_RULE,
+                    "only runId and suspend may change; to run with other settings, change runId too",
+                    reason="FieldValueForbidden",
+                ),
+                cel(
+                    "has(self.model.source) || has(self.dataset.tokenizer)",
+                    "the extractor needs the tokenizer: set model.source (mounted in both containers) or dataset.tokenizer",
+                ),
+                cel(
+                    "!has(self.startupDeadlineSeconds) || !has(self.activeDeadlineSeconds) || "
+                    "self.startupDeadlineSeconds < self.activeDeadlineSeconds",
+                    "startupDeadlineSeconds must be shorter than activeDeadlineSeconds",
+                ),
+                cel(
+                    "self.runId != 'manifest'",
+                    "runId 'manifest' is reserved",
+                ),
+            ]
+        }
+    )
+
+    runId: str = Field(
+        description="Identifies one run; output goes under {output.uri}/{runId}/. Change it to run again "
+        "(a new Job, a new output prefix; earlier runs' data is kept). Lowercase letters, digits and '-'.",
+        pattern=RUN_ID_PATTERN,
+        max_length=40,
+    )
+    model: ModelSpec = Field(description="The target model and where its weights come from.")
+    server: ServerSpec = Field(
+        default_factory=ServerSpec,  # type: ignore[arg-type]
+        description="The extraction server (patched SGLang) sidecar.",
+        json_schema_extra={"default": {}},
+    )
+    extractor: ExtractorSpec = Field(
+        default_factory=ExtractorSpec,  # type: ignore[arg-type]
+        description="The extractor main container.",
+        json_schema_extra={"default": {}},
+    )
+    dataset: DatasetSpec = Field(description="Where the samples come from and how they become tokens.")
+    output: OutputSpec = Field(description="Where shards go and how they are stored.")
+    validation: ValidationSpec = Field(
+        default_factory=ValidationSpec,  # type: ignore[arg-type]
+        description="How strictly dumps are checked against what was sent.",
+        json_schema_extra={"default": {}},
+    )
+    concurrency: int = Field(
+        default=32, ge=1, le=1024, description="Requests in flight at each pod's server."
+    )
+    parallelism: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Number of pods, each with its own server; pod k takes shards k, k+n, k+2n, ...",
+    )
+    backoffLimit: int = Field(
+        default=3,
+        ge=0,
+        le=100,
+        description="Pod failures retried before the run fails; evictions and disruptions do not count.",
+    )
+    activeDeadlineSeconds: int | None = Field(
+        default=None,
+        ge=1,
+        description="Longest the run may take from its Job's start; then it fails with DeadlineExceeded.",
+    )
+    startupDeadlineSeconds: int | None = Field(
+        default=None,
+        ge=1,
+        description="Longest the run may take to get every server ready (scheduling, image pulls, weights "
+        "loading); then it fails with StartupDeadlineExceeded.",
+    )
+    suspend: bool = Field(
+        default=False,
+        description="true stops the pods (committed shards are kept); false again resumes from what the bucket holds.",
+    )
+    ttlSecondsAfterFinished: int | None = Field(
+        default=None,
+        ge=0,
+        description="Delete the finished Job (and its pods) this long after it ends. The ExtractionJob and its "
+        "status stay, and a finished run is never started again.",
+    )
+    scheduling: SchedulingSpec = Field(
+        default_factory=SchedulingSpec,  # type: ignore[arg-type]
+        description="Node selection, tolerations, affinity, priority and Kueue queue.",
+        json_schema_extra={"default": {}},
+    )
+
+    def tensor_parallel(self) -> int:
+        return self.server.tensorParallel or self.server.gpus
+
+
+# ---------------------------------------------------------------------------------------- status
+
+Phase = Literal["Pending", "Starting", "Running", "Succeeded", "Failed", "Suspended"]
+PHASES: tuple[str, ...] = ("Pending", "Starting", "Running", "Succeeded", "Failed", "Suspended")
+TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+CONDITION_TYPES = ("ServerReady", "Reconciling", "Stalled", "Succeeded", "Failed", "Suspended")
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class Condition(_Status):
+    """A metav1.Condition."""
+
+    type: str = Field(
+        description="Condition type in CamelCase: ServerReady, Reconciling, Stalled, Succeeded, Failed or Suspended.",
+        max_length=316,
+    )
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    observedGeneration: int = Field(
+        default=0, ge=0, description="metadata.generation the condition was computed from."
+    )
+    lastTransitionTime: str = Field(
+        description="When status last changed (RFC 3339).", json_schema_extra={"format": "date-time"}
+    )
+    reason: str = Field(
+        description="CamelCase reason for the last transition.",
+        min_length=1,
+        max_length=1024,
+        pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+    )
+    message: str = Field(default="", description="Human-readable details.", max_length=32768)
+
+
+class Progress(_Status):
+    """Work done by the run, summed over its pods."""
+
+    samplesTotal: int = Field(default=0, description="Samples in the dataset (after limit).")
+    samplesDone: int = Field(default=0, description="Samples written to committed or pending shards.")
+    samplesQuarantined: int = Field(
+        default=0, description="Samples set aside with a reason instead of written."
+    )
+    tokensDone: int = Field(default=0, description="Tokens of the done samples.")
+    samplesPerSecond: float = Field(default=0.0, description="Current sample rate.")
+    tokensPerSecond: float = Field(default=0.0, description="Current token rate.")
+    etaSeconds: float | None = Field(
+        default=None, description="Estimated seconds until the run is done (the slowest pod)."
+    )
+    bytesCommitted: int = Field(default=0, description="Bytes of shards committed to the output.")
+    shardsCommitted: int = Field(default=0, description="Shards committed to the output.")
+    shardsTotal: int = Field(default=0, description="Shards the run will write.")
+    percent: int = Field(
+        default=0,
+        ge=0,
+        le=100,
+        description="Processed samples (done + quarantined) as a percentage of samplesTotal.",
+    )
+    eta: str = Field(default="", description="etaSeconds, human-readable (1h2m).")
+    lastUpdateTime: str | None = Field(
+        default=None,
+        description="When progress was last read from the extractors.",
+        json_schema_extra={"format": "date-time"},
+    )
+
+
+class ReplicaStatus(_Status):
+    """The last progress one pod reported (kept after the pod ends, so the sums stay right)."""
+
+    index: int = Field(description="Replica (completion) index.")
+    pod: str = Field(default="", description="Name of the pod that reported last.")
+    state: str = Field(
+        default="", description="The extractor's own state: starting, running, succeeded or failed."
+    )
+    samplesTotal: int = Field(default=0, description="Samples assigned to this replica.")
+    samplesDone: int = Field(default=0, description="Samples this replica has done.")
+    samplesQuarantined: int = Field(default=0, description="Samples this replica quarantined.")
+    tokensDone: int = Field(default=0, description="Tokens this replica has done.")
+    samplesPerSecond: float = Field(default=0.0, description="This replica's sample rate.")
+    tokensPerSecond: float = Field(default=0.0, description="This replica's token rate.")
+    etaSeconds: float | None = Field(default=None, description="This replica's ETA in seconds.")
+    bytesCommitted: int = Field(default=0, description="Bytes this replica committed.")
+    shardsCommitted: int = Field(default=0, description="Shards this replica committed.")
+    shardsTotal: int = Field(default=0, description="Shards assigned to this replica.")
+    lastError: str = Field(default="", description="The extractor's last error, if any.", max_length=4096)
+
+
+class OutputStatus(_Status):
+    """Where this run's data is."""
+
+    prefix: str = Field(default="", description="Output prefix of this run: {output.uri}/{runId}/.")
+    manifestUri: str = Field(
+        default="", description="URI of the run's manifest, written last when the run succeeds."
+    )
+
+
+class RunRecord(_Status):
+    """How an earlier run ended; its data stays under its prefix."""
+
+    runId: str = Field(description="The run's runId.")
+    phase: str = Field(description="The phase the run ended in (or Superseded when runId changed mid-run).")
+    reason: str = Field(default="", description="Why it ended.")
+    jobName: str = Field(default="", description="The run's Job.")
+    outputPrefix: str = Field(default="", description="The run's output prefix.")
+    startTime: str | None = Field(
+        default=None, description="When the run started.", json_schema_extra={"format": "date-time"}
+    )
+    completionTime: str | None = Field(
+        default=None, description="When the run ended.", json_schema_extra={"format": "date-time"}
+    )
+    samplesDone: int = Field(default=0, description="Samples the run did.")
+
+
+class ExtractionJobStatus(_Status):
+    """What the operator observed. Written by the operator only, through the status subresource."""
+
+    phase: Phase = Field(
+        default="Pending", description="Pending, Starting, Running, Succeeded, Failed or Suspended."
+    )
+    observedGeneration: int = Field(
+        default=0, description="metadata.generation this status was computed from."
+    )
+    observedRunId: str = Field(default="", description="runId of the run this status describes.")
+    attempt: int = Field(
+        default=0, description="Pod attempts so far: 1 for the first, +1 for each retried pod failure."
+    )
+    startTime: str | None = Field(
+        default=None,
+        description="When this run's Job was created.",
+        json_schema_extra={"format": "date-time"},
+    )
+    completionTime: str | None = Field(
+        default=None, description="When this run ended.", json_schema_extra={"format": "date-time"}
+    )
+    serverReadyTime: str | None = Field(
+        default=None,
+        description="When every server of this run first became ready.",
+        json_schema_extra={"format": "date-time"},
+    )
+    reason: str = Field(
+        default="", description="Why the run is in its phase (CamelCase), for example ImagePullBackOff."
+    )
+    message: str = Field(
+        default="", description="Details of reason, for example the scheduler's message.", max_length=32768
+    )
+    jobName: str = Field(default="", description="Name of this run's batch/v1 Job.")
+    output: OutputStatus = Field(default_factory=OutputStatus, description="Where this run's data is.")
+    progress: Progress = Field(default_factory=Progress, description="Work done, summed over the pods.")
+    replicas: list[ReplicaStatus] = Field(default_factory=list, description="Last progress of each replica.")
+    history: list[RunRecord] = Field(
+        default_factory=list, description="Earlier runs of this resource, newest last (at most 20)."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="ServerReady, Reconciling, Stalled, Succeeded, Failed and Suspended.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )

@@ -1,0 +1,359 @@
+"""Desired state: spec -> the run's ConfigMap and batch/v1 Job. Pure functions, no I/O.
+
+The pod runs the extraction server as a native sidecar (an init container with
+``restartPolicy: Always``) that owns the GPUs, and the extractor as the main container; they share
+a memory-backed ``/dev/shm`` where the server leaves dumps for the extractor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import posixpath
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from hsx_extractor.config import EXIT_PERMANENT, ExtractConfig
+from hsx_extractor.keys import MANIFEST_NAME
+from hsx_extractor.protocol import DUMP_DIR_ENV
+from hsx_operator.api import GROUP, KIND, VERSION, ExtractionJobSpec
+
+SERVER_CONTAINER = "sglang"
+EXTRACTOR_CONTAINER = "extractor"
+CONFIG_DIR = "/etc/hsx"
+CONFIG_FILE = "config.yaml"
+SHM_DIR = "/dev/shm"
+DUMP_DIR = f"{SHM_DIR}/hsx"
+GPU_RESOURCE = "nvidia.com/gpu"
+# The extractor image's user; the server image (CUDA, SGLang) decides its own.
+EXTRACTOR_UID = 65532
+MAX_NAME = 63  # Job names become pod label values
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_XJ = f"{GROUP}/extractionjob"
+LABEL_RUN = f"{GROUP}/run-id"
+LABEL_QUEUE = "kueue.x-k8s.io/queue-name"
+MANAGER = "hsx-operator"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The ExtractionJob that owns what the operator creates."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def job_name(xj_name: str, run_id: str) -> str:
+    """``{name}-{runId}``, shortened with a hash when longer than a label value allows."""
+    full = f"{xj_name}-{run_id}"
+    if len(full) <= MAX_NAME:
+        return full
+    digest = hashlib.sha256(full.encode()).hexdigest()[:8]
+    return f"{full[: MAX_NAME - 9].rstrip('-')}-{digest}"
+
+
+def config_map_name(xj_name: str, run_id: str) -> str:
+    return f"{job_name(xj_name, run_id)}-config"
+
+
+def output_prefix(spec: ExtractionJobSpec) -> str:
+    """Where this run writes: ``{output.uri}/{runId}/``."""
+    return f"{spec.output.uri.rstrip('/')}/{spec.runId}/"
+
+
+def manifest_uri(spec: ExtractionJobSpec) -> str:
+    return output_prefix(spec) + MANIFEST_NAME
+
+
+def labels(owner: Owner, spec: ExtractionJobSpec) -> dict[str, str]:
+    out = {
+        LABEL_NAME: "hsx",
+        LABEL_COMPONENT: "extraction",
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_XJ: owner.name,
+        LABEL_RUN: spec.runId,
+    }
+    if spec.scheduling.queueName:
+        out[LABEL_QUEUE] = spec.scheduling.queueName
+    return out
+
+
+def extract_config(spec: ExtractionJobSpec) -> ExtractConfig:
+    """The extractor's config for every pod of the run; each pod's index comes from JOB_COMPLETION_INDEX."""
+    dataset = spec.dataset.model_copy(update={"tokenizer": spec.dataset.tokenizer or spec.model.path})
+    return ExtractConfig(
+        runId=spec.runId,
+        dataset=dataset,
+        output=spec.output,
+        validation=spec.validation,
+        concurrency=spec.concurrency,
+        serverUrl=f"http://127.0.0.1:{spec.server.port}",
+        dumpDir=DUMP_DIR,
+        dumpDirMaxBytes=spec.extractor.dumpDirMaxBytes,
+        modelPath=spec.model.path,
+        replicaIndex=0,
+        replicaCount=spec.parallelism,
+        progressPort=spec.extractor.progressPort,
+        progressHost="0.0.0.0",
+    )
+
+
+def desired_config_map(owner: Owner, spec: ExtractionJobSpec) -> dict[str, Any]:
+    text = yaml.safe_dump(extract_config(spec).model_dump(mode="json", exclude_none=True), sort_keys=False)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": config_map_name(owner.name, spec.runId),
+            "namespace": owner.namespace,
+            "labels": labels(owner, spec),
+            "ownerReferences": [owner.reference()],
+        },
+        "data": {CONFIG_FILE: text},
+    }
+
+
+def server_argv(spec: ExtractionJobSpec) -> list[str]:
+    """The SGLang command line: capture on, no radix cache, no chunked prefill (one dump row per token)."""
+    tp = spec.tensor_parallel()
+    argv = [
+        "python3",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        spec.model.path,
+        "--tp",
+        str(tp),
+    ]
+    if spec.server.gpus // tp > 1:
+        argv += ["--dp", str(spec.server.gpus // tp)]
+    argv += [
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(spec.server.port),
+        "--enable-return-aux-hidden-states",
+        "--speculative-algorithm",
+        "EAGLE3",
+    ]
+    if spec.model.auxLayerIds:
+        argv += ["--return-aux-hidden-state-layer-ids", *(str(i) for i in spec.model.auxLayerIds)]
+    argv += ["--disable-radix-cache", "--chunked-prefill-size", "-1"]
+    return argv + list(spec.server.extraArgs)
+
+
+def _startup_probe(spec: ExtractionJobSpec) -> dict[str, Any]:
+    budget = spec.server.startupTimeoutSeconds
+    period = 10 if budget >= 300 else 2
+    return {
+        "httpGet": {"path": "/health", "port": spec.server.port},
+        "periodSeconds": period,
+        "timeoutSeconds": min(5, period),
+        "failureThreshold": max(1, math.ceil(budget / period)),
+    }
+
+
+def _local_dir(uri: str) -> str | None:
+    """The node directory behind a local (non-S3) URI, for a hostPath mount; None for S3."""
+    if uri.startswith("s3://"):
+        return None
+    path = uri.removeprefix("file://")
+    return path if path.startswith("/") else None
+
+
+def _volumes(
+    spec: ExtractionJobSpec, owner: Owner
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, server mounts, extractor mounts)."""
+    volumes: list[dict[str, Any]] = [
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.server.shmSize}},
+        {"name": "config", "configMap": {"name": config_map_name(owner.name, spec.runId)}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    server_mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": SHM_DIR}]
+    extractor_mounts: list[dict[str, Any]] = [
+        {"name": "shm", "mountPath": SHM_DIR},
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    source = spec.model.source
+    if source is not None:
+        if source.pvc is not None:
+            vol: dict[str, Any] = {
+                "persistentVolumeClaim": {"claimName": source.pvc.claimName, "readOnly": True}
+            }
+        elif source.hostPath is not None:
+            vol = {"hostPath": {"path": source.hostPath.path, "type": "Directory"}}
+        else:
+            assert source.image is not None  # the CRD requires exactly one source
+            vol = {"image": {"reference": source.image.reference, "pullPolicy": source.image.pullPolicy}}
+        volumes.append({"name": "model", **vol})
+        mount: dict[str, Any] = {"name": "model", "mountPath": spec.model.mountPath, "readOnly": True}
+        if source.pvc is not None and source.pvc.subPath:
+            mount["subPath"] = source.pvc.subPath
+        server_mounts.append(mount)
+        extractor_mounts.append(dict(mount))
+    # Local dataset/output paths (single-node clusters, demos) are mounted from the node.
+    dataset_file = _local_dir(spec.dataset.uri)
+    if dataset_file is not None:
+        directory = posixpath.dirname(dataset_file)
+        volumes.append({"name": "dataset", "hostPath": {"path": directory, "type": "Directory"}})
+        extractor_mounts.append({"name": "dataset", "mountPath": directory, "readOnly": True})
+    output_dir = _local_dir(spec.output.uri)
+    if output_dir is not None:
+        volumes.append({"name": "output", "hostPath": {"path": output_dir, "type": "DirectoryOrCreate"}})
+        extractor_mounts.append({"name": "output", "mountPath": output_dir})
+    return volumes, server_mounts, extractor_mounts
+
+
+def _credentials_env(spec: ExtractionJobSpec) -> list[dict[str, Any]]:
+    secret = spec.output.credentialsSecret
+    if not secret:
+        return []
+    keys = [("AWS_ACCESS_KEY_ID", False), ("AWS_SECRET_ACCESS_KEY", False), ("AWS_SESSION_TOKEN", True)]
+    return [
+        {"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": optional}}}
+        for key, optional in keys
+    ]
+
+
+def _resources(requests: dict[str, str], limits: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = dict(requests)
+    if limits:
+        out["limits"] = dict(limits)
+    return out
+
+
+def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None = None) -> dict[str, Any]:
+    """The run's batch/v1 Job. ``suspend`` overrides the initial suspend flag (Kueue)."""
+    volumes, server_mounts, extractor_mounts = _volumes(spec, owner)
+    gpus = str(spec.server.gpus)
+    server_resources = _resources(spec.server.resources.requests, spec.server.resources.limits)
+    server_resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
+    server_resources.setdefault("requests", {})[GPU_RESOURCE] = gpus
+    server = {
+        "name": SERVER_CONTAINER,
+        "image": spec.server.image,
+        "imagePullPolicy": spec.server.imagePullPolicy,
+        "command": server_argv(spec),
+        # A native sidecar: starts first, runs for the pod's life, does not block completion.
+        "restartPolicy": "Always",
+        "env": [{"name": DUMP_DIR_ENV, "value": DUMP_DIR}, *(e.model_dump() for e in spec.server.env)],
+        "ports": [{"name": "server", "containerPort": spec.server.port}],
+        "startupProbe": _startup_probe(spec),
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": spec.server.port},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+        },
+        "resources": server_resources,
+        "volumeMounts": server_mounts,
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    extractor = {
+        "name": EXTRACTOR_CONTAINER,
+        "image": spec.extractor.image,
+        "imagePullPolicy": spec.extractor.imagePullPolicy,
+        "command": ["hsx", "extract", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
+        "env": _credentials_env(spec),
+        "ports": [{"name": "progress", "containerPort": spec.extractor.progressPort}],
+        "resources": _resources(spec.extractor.resources.requests, spec.extractor.resources.limits),
+        "volumeMounts": extractor_mounts,
+        # The extractor writes its final progress here; the operator reads it after the pod ends.
+        "terminationMessagePolicy": "File",
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": EXTRACTOR_UID,
+            "runAsGroup": EXTRACTOR_UID,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    sched = spec.scheduling
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "initContainers": [server],
+        "containers": [extractor],
+        "volumes": volumes,
+    }
+    if sched.nodeSelector:
+        pod_spec["nodeSelector"] = dict(sched.nodeSelector)
+    if sched.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(exclude_none=True) for t in sched.tolerations]
+    if sched.affinity:
+        pod_spec["affinity"] = sched.affinity
+    if sched.priorityClassName:
+        pod_spec["priorityClassName"] = sched.priorityClassName
+    job_labels = labels(owner, spec)
+    job_spec: dict[str, Any] = {
+        "completionMode": "Indexed",
+        "completions": spec.parallelism,
+        "parallelism": spec.parallelism,
+        "backoffLimit": spec.backoffLimit,
+        # Never two pods of one index at once: an 8-GPU pod must be gone before its replacement starts.
+        "podReplacementPolicy": "Failed",
+        "podFailurePolicy": {
+            "rules": [
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {
+                        "containerName": EXTRACTOR_CONTAINER,
+                        "operator": "In",
+                        "values": [EXIT_PERMANENT],
+                    },
+                },
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            ]
+        },
+        "suspend": spec.suspend if suspend is None else suspend,
+        "template": {
+            "metadata": {
+                "labels": job_labels,
+                "annotations": {"kubectl.kubernetes.io/default-container": EXTRACTOR_CONTAINER},
+            },
+            "spec": pod_spec,
+        },
+    }
+    if spec.activeDeadlineSeconds is not None:
+        job_spec["activeDeadlineSeconds"] = spec.activeDeadlineSeconds
+    if spec.ttlSecondsAfterFinished is not None:
+        job_spec["ttlSecondsAfterFinished"] = spec.ttlSecondsAfterFinished
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": job_name(owner.name, spec.runId),
+            "namespace": owner.namespace,
+            "labels": job_labels,
+            "ownerReferences": [owner.reference()],
+        },
+        "spec": job_spec,
+    }
+
+
+def initial_suspend(spec: ExtractionJobSpec) -> bool:
+    """A queued Job starts suspended: Kueue admits it by unsuspending."""
+    return spec.suspend or bool(spec.scheduling.queueName)

@@ -1,0 +1,61 @@
+"""``hsx-operator``: run the ExtractionJob operator (kopf) against the current kubeconfig or in-cluster."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import sys
+
+import kopf
+from prometheus_client import start_http_server
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hsx-operator", description=__doc__)
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument(
+        "-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)"
+    )
+    scope.add_argument(
+        "-A", "--all-namespaces", action="store_true", help="watch every namespace (the default)"
+    )
+    parser.add_argument("--metrics-port", type=int, default=9090, help="port of /metrics (0: off)")
+    parser.add_argument("--metrics-host", default="0.0.0.0", help="address /metrics binds to")
+    parser.add_argument(
+        "--peering",
+        metavar="NAME",
+        help="use kopf peering NAME (needs crds/kopf-peering.yaml) so only one replica is active; default: standalone",
+    )
+    parser.add_argument(
+        "--liveness", metavar="URL", help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    kopf.configure(verbose=args.verbose)
+    from hsx_operator import handlers  # noqa: F401  (registers the handlers)
+
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr=args.metrics_host)
+    kopf.run(
+        standalone=not args.peering,
+        peering_name=args.peering,
+        # Replicas need distinct priorities: kopf pauses the lower ones and lets the highest work.
+        priority=random.randint(1, 1_000_000) if args.peering else None,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=args.liveness,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

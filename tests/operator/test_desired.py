@@ -1,0 +1,157 @@
+"""desired.py: spec -> ConfigMap and Job, checked field by field."""
+
+from __future__ import annotations
+
+import yaml
+
+from hsx_extractor.config import EXIT_PERMANENT, ExtractConfig
+from hsx_operator.desired import (
+    DUMP_DIR,
+    LABEL_QUEUE,
+    MAX_NAME,
+    Owner,
+    desired_config_map,
+    desired_job,
+    initial_suspend,
+    job_name,
+    server_argv,
+)
+from tests.operator.helpers import make_spec
+
+OWNER = Owner(name="xj", namespace="ns", uid="uid-1")
+
+
+def _pod(job: dict) -> dict:
+    return job["spec"]["template"]["spec"]
+
+
+def test_job_name_is_deterministic_and_fits_a_label() -> None:
+    assert job_name("xj", "r1") == "xj-r1"
+    long = job_name("a" * 60, "run-" + "b" * 30)
+    assert long == job_name("a" * 60, "run-" + "b" * 30)
+    assert len(long) <= MAX_NAME and long[-9] == "-"
+    assert job_name("a" * 60, "run-1") != job_name("a" * 60, "run-2")
+
+
+def test_job_is_owned_labelled_and_indexed() -> None:
+    job = desired_job(OWNER, make_spec(parallelism=2, backoffLimit=5, activeDeadlineSeconds=600, ttlSecondsAfterFinished=30))
+    ref = job["metadata"]["ownerReferences"][0]
+    assert (ref["kind"], ref["uid"], ref["controller"]) == ("ExtractionJob", "uid-1", True)
+    assert job["metadata"]["labels"]["hsx.dev/run-id"] == "r1"
+    s = job["spec"]
+    assert (s["completionMode"], s["completions"], s["parallelism"]) == ("Indexed", 2, 2)
+    assert (s["backoffLimit"], s["activeDeadlineSeconds"], s["ttlSecondsAfterFinished"]) == (5, 600, 30)
+    assert s["podReplacementPolicy"] == "Failed"
+    assert job["spec"]["template"]["metadata"]["labels"]["hsx.dev/extractionjob"] == "xj"
+
+
+def test_pod_failure_policy_fails_fast_on_permanent_exit_and_ignores_disruptions() -> None:
+    rules = desired_job(OWNER, make_spec())["spec"]["podFailurePolicy"]["rules"]
+    fail = [r for r in rules if r["action"] == "FailJob"]
+    assert fail[0]["onExitCodes"] == {"containerName": "extractor", "operator": "In", "values": [EXIT_PERMANENT]}
+    ignore = [r for r in rules if r["action"] == "Ignore"]
+    assert ignore[0]["onPodConditions"][0]["type"] == "DisruptionTarget"
+
+
+def test_server_is_a_native_sidecar_with_the_gpus_and_a_startup_budget() -> None:
+    spec = make_spec(server={"gpus": 4, "startupTimeoutSeconds": 900})
+    pod = _pod(desired_job(OWNER, spec))
+    (server,) = pod["initContainers"]
+    (extractor,) = pod["containers"]
+    assert server["restartPolicy"] == "Always"
+    assert server["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert "nvidia.com/gpu" not in str(extractor.get("resources", {}))
+    probe = server["startupProbe"]
+    assert probe["httpGet"]["path"] == "/health"
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 900
+    assert {"name": "SGLANG_HS_DUMP_DIR", "value": DUMP_DIR} in server["env"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["restartPolicy"] == "Never"
+    assert extractor["securityContext"]["runAsNonRoot"] is True
+    assert extractor["command"] == ["hsx", "extract", "--config", "/etc/hsx/config.yaml"]
+
+
+def test_shared_memory_volume_is_sized_from_the_spec_and_mounted_in_both() -> None:
+    pod = _pod(desired_job(OWNER, make_spec(server={"shmSize": "32Gi"})))
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+    for c in pod["initContainers"] + pod["containers"]:
+        assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+
+
+def test_credentials_come_from_the_secret_by_reference_only() -> None:
+    extractor = _pod(desired_job(OWNER, make_spec()))["containers"][0]
+    env = {e["name"]: e for e in extractor["env"]}
+    assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": "s3-creds", "key": "AWS_ACCESS_KEY_ID", "optional": False}
+    assert env["AWS_SESSION_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
+    assert all("value" not in e for e in env.values())
+
+
+def test_config_map_holds_a_valid_extractor_config() -> None:
+    spec = make_spec(parallelism=3, concurrency=7, server={"port": 31000})
+    cm = desired_config_map(OWNER, spec)
+    config = ExtractConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
+    assert (config.runId, config.replicaCount, config.concurrency) == ("r1", 3, 7)
+    assert config.serverUrl == "http://127.0.0.1:31000"
+    assert config.dumpDir == DUMP_DIR
+    assert config.dataset.tokenizer == "/models/tiny"
+    assert config.output.uri == "s3://out/hs"
+    assert cm["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    volume = next(v for v in _pod(desired_job(OWNER, spec))["volumes"] if v["name"] == "config")
+    assert volume["configMap"]["name"] == cm["metadata"]["name"]
+
+
+def test_server_argv_turns_capture_on_and_prefix_caching_off() -> None:
+    argv = server_argv(make_spec(model={"path": "/m", "auxLayerIds": [1, 15, 28]}, dataset={"uri": "/d/x.jsonl", "tokenizer": "/t"}))
+    joined = " ".join(argv)
+    assert "--model-path /m" in joined and "--tp 8" in joined
+    assert "--enable-return-aux-hidden-states" in argv and "--speculative-algorithm EAGLE3" in joined
+    assert "--return-aux-hidden-state-layer-ids 1 15 28" in joined
+    assert "--disable-radix-cache" in argv and "--chunked-prefill-size -1" in joined
+    dp = server_argv(make_spec(server={"gpus": 8, "tensorParallel": 4, "extraArgs": ["--mem-fraction-static", "0.8"]}))
+    assert " ".join(dp).count("--dp 2") == 1 and dp[-2:] == ["--mem-fraction-static", "0.8"]
+
+
+def test_model_sources_become_read_only_volumes() -> None:
+    pvc = _pod(desired_job(OWNER, make_spec(model={"path": "/models/llama", "source": {"pvc": {"claimName": "weights", "subPath": "llama"}}})))
+    vol = next(v for v in pvc["volumes"] if v["name"] == "model")
+    assert vol["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+    mount = next(m for m in pvc["containers"][0]["volumeMounts"] if m["name"] == "model")
+    assert mount == {"name": "model", "mountPath": "/models", "readOnly": True, "subPath": "llama"}
+    image = _pod(desired_job(OWNER, make_spec(model={"path": "/models/x", "source": {"image": {"reference": "reg/m:1"}}})))
+    assert next(v for v in image["volumes"] if v["name"] == "model")["image"]["reference"] == "reg/m:1"
+
+
+def test_local_dataset_and_output_are_mounted_from_the_node() -> None:
+    spec = make_spec(dataset={"uri": "/data/sets/chat.jsonl"}, output={"uri": "file:///data/out"})
+    pod = _pod(desired_job(OWNER, spec))
+    by_name = {v["name"]: v for v in pod["volumes"]}
+    assert by_name["dataset"]["hostPath"]["path"] == "/data/sets"
+    assert by_name["output"]["hostPath"]["path"] == "/data/out"
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["dataset"]["readOnly"] is True and mounts["output"]["mountPath"] == "/data/out"
+
+
+def test_scheduling_and_queue() -> None:
+    spec = make_spec(
+        scheduling={
+            "nodeSelector": {"gpu": "h100"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "priorityClassName": "batch-low",
+            "queueName": "team-a",
+            "affinity": {"nodeAffinity": {"x": 1}},
+        }
+    )
+    job = desired_job(OWNER, spec, suspend=initial_suspend(spec))
+    pod = _pod(job)
+    assert pod["nodeSelector"] == {"gpu": "h100"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["priorityClassName"] == "batch-low" and pod["affinity"] == {"nodeAffinity": {"x": 1}}
+    assert job["metadata"]["labels"][LABEL_QUEUE] == "team-a"
+    assert job["spec"]["suspend"] is True  # Kueue admits by unsuspending
+    assert initial_suspend(make_spec()) is False and initial_suspend(make_spec(suspend=True)) is True
+
+
+def test_desired_job_is_a_pure_function_of_the_spec() -> None:
+    assert desired_job(OWNER, make_spec()) == desired_job(OWNER, make_spec())
+    assert desired_job(OWNER, make_spec())["metadata"]["name"] != desired_job(OWNER, make_spec(runId="r2"))["metadata"]["name"]

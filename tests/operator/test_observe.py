@@ -1,0 +1,211 @@
+"""observe.py: observations -> status, for each situation a run can be in."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from hsx_operator.api import ExtractionJobSpec, ExtractionJobStatus
+from hsx_operator.observe import Outcome, human_duration, needs_job, observe, set_condition
+from tests.operator.helpers import (
+    EXTRACTOR_RUNNING,
+    EXTRACTOR_WAITING,
+    SERVER_LOADING,
+    SERVER_READY,
+    job_json,
+    make_spec,
+    pod_json,
+)
+
+NOW = datetime(2026, 12, 2, 10, 5, tzinfo=UTC)
+
+
+def run(
+    spec: ExtractionJobSpec | None = None,
+    prior: ExtractionJobStatus | None = None,
+    job: dict[str, Any] | None = None,
+    pods: list[dict[str, Any]] | None = None,
+    events: dict[str, list[dict[str, Any]]] | None = None,
+    progress: dict[str, dict[str, Any]] | None = None,
+    now: datetime = NOW,
+    generation: int = 1,
+) -> Outcome:
+    return observe(
+        xj_name="xj",
+        generation=generation,
+        spec=spec or make_spec(),
+        prior=prior or ExtractionJobStatus(),
+        job=job,
+        pods=pods or [],
+        events=events or {},
+        progress=progress or {},
+        now=now,
+    )
+
+
+def cond(status: ExtractionJobStatus, type_: str) -> str:
+    return next(c.status for c in status.conditions if c.type == type_)
+
+
+def test_new_run_without_job_is_pending_and_needs_its_job() -> None:
+    out = run()
+    st = out.status
+    assert (st.phase, st.observedRunId, st.jobName) == ("Pending", "r1", "xj-r1")
+    assert st.output.prefix == "s3://out/hs/r1/" and st.output.manifestUri == "s3://out/hs/r1/manifest.json"
+    assert needs_job(st, None)
+    assert [e.reason for e in out.events][0] == "RunStarted"
+    assert cond(st, "Reconciling") == "True" and cond(st, "Succeeded") == "False"
+
+
+def test_unschedulable_pod_says_the_schedulers_message() -> None:
+    msg = "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."
+    st = run(job=job_json(), pods=[pod_json(phase="Pending", scheduled=False, unschedulable_message=msg)]).status
+    assert (st.phase, st.reason) == ("Pending", "Unschedulable")
+    assert msg in st.message
+    assert cond(st, "Stalled") == "True"
+
+
+def test_failed_scheduling_event_is_used_when_the_pod_has_no_condition_yet() -> None:
+    pod = pod_json(phase="Pending", scheduled=False)
+    events = {pod["metadata"]["name"]: [{"reason": "FailedScheduling", "message": "no nodes available"}]}
+    st = run(job=job_json(), pods=[pod], events=events).status
+    assert st.reason == "Unschedulable" and "no nodes available" in st.message
+
+
+def test_image_pull_backoff_is_the_reason() -> None:
+    server = {"started": False, "ready": False, "state": {"waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "x"'}}}
+    st = run(job=job_json(), pods=[pod_json(phase="Pending", server=server, extractor=EXTRACTOR_WAITING)]).status
+    assert (st.phase, st.reason) == ("Pending", "ImagePullBackOff")
+    assert "sglang" in st.message and "Back-off" in st.message
+    assert cond(st, "Stalled") == "True"
+
+
+def test_server_crash_loop_is_named() -> None:
+    server = {"started": False, "ready": False, "restartCount": 4, "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}}}
+    st = run(job=job_json(), pods=[pod_json(server=server, extractor=EXTRACTOR_WAITING)]).status
+    assert (st.phase, st.reason) == ("Starting", "ServerCrashLooping")
+    assert "4 times" in st.message
+
+
+def test_loading_server_is_starting_then_running_when_ready() -> None:
+    starting = run(job=job_json(), pods=[pod_json(server=SERVER_LOADING, extractor=EXTRACTOR_WAITING)]).status
+    assert (starting.phase, starting.reason) == ("Starting", "ServerStarting")
+    assert cond(starting, "ServerReady") == "False"
+    running = run(prior=starting, job=job_json(), pods=[pod_json(server=SERVER_READY, extractor=EXTRACTOR_RUNNING)]).status
+    assert running.phase == "Running" and running.serverReadyTime == "2026-12-02T10:05:00Z"
+    assert cond(running, "ServerReady") == "True" and cond(running, "Reconciling") == "True"
+
+
+def test_progress_of_two_replicas_is_summed_and_kept_after_one_ends() -> None:
+    p0 = pod_json("xj-r1-0-a", index=0, server=SERVER_READY, extractor=EXTRACTOR_RUNNING)
+    p1 = pod_json("xj-r1-1-b", index=1, server=SERVER_READY, extractor=EXTRACTOR_RUNNING)
+    reports = {
+        "xj-r1-0-a": {"samplesTotal": 50, "samplesDone": 20, "samplesQuarantined": 5, "tokensDone": 2000, "tokensPerSecond": 100.0, "etaSeconds": 30, "state": "running"},
+        "xj-r1-1-b": {"samplesTotal": 50, "samplesDone": 25, "tokensDone": 2500, "tokensPerSecond": 150.0, "etaSeconds": 90, "state": "running"},
+    }
+    st = run(job=job_json(), pods=[p0, p1], progress=reports).status
+    p = st.progress
+    assert (p.samplesTotal, p.samplesDone, p.samplesQuarantined, p.tokensDone) == (100, 45, 5, 4500)
+    assert p.tokensPerSecond == 250.0 and p.etaSeconds == 90 and p.eta == "1m30s" and p.percent == 50
+    assert [r.index for r in st.replicas] == [0, 1]
+    # Replica 0 finished (its pod is gone from the poll); its numbers stay in the sum.
+    p0_done = pod_json("xj-r1-0-a", index=0, phase="Succeeded")
+    later = run(prior=st, job=job_json(), pods=[p0_done, p1], progress={"xj-r1-1-b": {**reports["xj-r1-1-b"], "samplesDone": 40}}).status
+    assert later.progress.samplesDone == 60
+
+
+def test_final_progress_is_read_from_the_termination_message() -> None:
+    term = {"state": {"terminated": {"exitCode": 0, "message": '{"samplesTotal": 10, "samplesDone": 10, "state": "succeeded"}'}}}
+    done = job_json(conditions=[{"type": "Complete", "status": "True"}], completion_time="2026-12-02T10:04:00Z")
+    st = run(job=done, pods=[pod_json(phase="Succeeded", extractor=term)]).status
+    assert st.phase == "Succeeded" and st.completionTime == "2026-12-02T10:04:00Z"
+    assert st.progress.samplesDone == 10 and st.progress.percent == 100
+    assert cond(st, "Succeeded") == "True" and cond(st, "Reconciling") == "False" and cond(st, "Stalled") == "False"
+
+
+def test_terminal_run_is_sticky_even_when_its_job_is_gone() -> None:
+    done = run(job=job_json(conditions=[{"type": "Complete", "status": "True"}])).status
+    later = run(prior=done, job=None, now=NOW + timedelta(hours=1), generation=2)
+    assert later.status.phase == "Succeeded" and later.events == []
+    assert not needs_job(later.status, None)
+    assert later.status.observedGeneration == 2
+    assert all(c.observedGeneration == 2 for c in later.status.conditions)
+
+
+def test_job_lost_mid_run_fails_the_run_instead_of_restarting_it() -> None:
+    running = run(job=job_json(), pods=[pod_json(server=SERVER_READY, extractor=EXTRACTOR_RUNNING)]).status
+    lost = run(prior=running, job=None).status
+    assert (lost.phase, lost.reason) == ("Failed", "JobDeleted")
+    assert not needs_job(lost, None)
+
+
+def test_permanent_failure_is_reported_with_the_exit() -> None:
+    term = {"state": {"terminated": {"exitCode": 3, "message": "tokenizer fingerprint mismatch"}}}
+    failed = job_json(conditions=[{"type": "Failed", "status": "True", "reason": "PodFailurePolicy", "message": "Container extractor ... exit code 3"}])
+    st = run(job=failed, pods=[pod_json(phase="Failed", extractor=term)]).status
+    assert (st.phase, st.reason) == ("Failed", "PermanentFailure")
+    assert "exited 3 (permanent failure)" in st.message and "fingerprint" in st.message
+    assert cond(st, "Failed") == "True" and cond(st, "Stalled") == "True"
+
+
+def test_retries_count_as_attempts() -> None:
+    st = run(job=job_json(failed=2), pods=[pod_json(server=SERVER_READY, extractor=EXTRACTOR_RUNNING)]).status
+    assert st.attempt == 3
+
+
+def test_startup_deadline_stops_the_run() -> None:
+    spec = make_spec(startupDeadlineSeconds=60)
+    pods = [pod_json(server=SERVER_LOADING, extractor=EXTRACTOR_WAITING)]
+    early = run(spec=spec, job=job_json(), pods=pods, now=datetime(2026, 12, 2, 10, 0, 30, tzinfo=UTC))
+    assert early.status.phase == "Starting" and not early.stop_job
+    late = run(spec=spec, prior=early.status, job=job_json(), pods=pods, now=datetime(2026, 12, 2, 10, 1, 30, tzinfo=UTC))
+    assert late.stop_job and (late.status.phase, late.status.reason) == ("Failed", "StartupDeadlineExceeded")
+    assert "ServerStarting" in late.status.message
+    # The Job then fails with DeadlineExceeded; the recorded reason stays.
+    after = run(spec=spec, prior=late.status, job=job_json(conditions=[{"type": "Failed", "status": "True", "reason": "DeadlineExceeded"}]))
+    assert after.status.reason == "StartupDeadlineExceeded" and not after.stop_job
+
+
+def test_ready_servers_are_not_subject_to_the_startup_deadline() -> None:
+    spec = make_spec(startupDeadlineSeconds=60)
+    out = run(spec=spec, job=job_json(), pods=[pod_json(server=SERVER_READY, extractor=EXTRACTOR_RUNNING)], now=NOW + timedelta(hours=2))
+    assert out.status.phase == "Running" and not out.stop_job
+
+
+def test_suspended_and_queued() -> None:
+    st = run(spec=make_spec(suspend=True), job=job_json(suspend=True)).status
+    assert (st.phase, st.reason) == ("Suspended", "Suspended") and cond(st, "Suspended") == "True"
+    queued = run(spec=make_spec(scheduling={"queueName": "q"}), job=job_json(suspend=True)).status
+    assert (queued.phase, queued.reason) == ("Suspended", "Queued")
+
+
+def test_run_id_change_starts_a_new_run_and_records_the_old_one() -> None:
+    done = run(job=job_json(conditions=[{"type": "Complete", "status": "True"}])).status
+    second = run(spec=make_spec(runId="r2"), prior=done, job=None, generation=2)
+    st = second.status
+    assert (st.phase, st.observedRunId, st.jobName, st.output.prefix) == ("Pending", "r2", "xj-r2", "s3://out/hs/r2/")
+    assert [(h.runId, h.phase, h.outputPrefix) for h in st.history] == [("r1", "Succeeded", "s3://out/hs/r1/")]
+    assert needs_job(st, None) and second.events[0].reason == "RunStarted"
+    running = run(job=job_json(), pods=[pod_json(server=SERVER_READY, extractor=EXTRACTOR_RUNNING)]).status
+    superseded = run(spec=make_spec(runId="r3"), prior=running).status
+    assert superseded.history[-1].phase == "Superseded"
+
+
+def test_unchanged_observation_changes_nothing_and_emits_nothing() -> None:
+    pods = [pod_json(server=SERVER_READY, extractor=EXTRACTOR_RUNNING)]
+    first = run(job=job_json(), pods=pods).status
+    second = run(prior=first, job=job_json(), pods=pods, now=NOW + timedelta(seconds=30))
+    assert second.events == []
+    assert second.status.model_dump() == first.model_dump()
+
+
+def test_condition_transition_time_moves_only_on_change() -> None:
+    c1 = set_condition([], "Stalled", "False", "Progressing", "", 1, NOW)
+    c2 = set_condition(c1, "Stalled", "False", "Progressing", "", 2, NOW + timedelta(minutes=1))
+    assert c2[0].lastTransitionTime == c1[0].lastTransitionTime and c2[0].observedGeneration == 2
+    c3 = set_condition(c2, "Stalled", "True", "ImagePullBackOff", "x", 2, NOW + timedelta(minutes=2))
+    assert c3[0].lastTransitionTime == "2026-12-02T10:07:00Z"
+
+
+def test_human_duration() -> None:
+    assert [human_duration(s) for s in (None, 5, 65, 3725, 90000)] == ["", "5s", "1m5s", "1h2m", "1d1h"]
