@@ -1,0 +1,241 @@
+"""The Helm chart, offline: lint, schema, Kubernetes API schemas, defaults, and agreement with the operator."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hsx_operator.main import build_parser
+from tests.install.chart import CHART, CRDS, chart_meta, find, helm, render, render_text
+
+KUBE_VERSION = (1, 37)
+# Sets of values that between them render every template and branch.
+VALUE_SETS: dict[str, dict[str, str]] = {
+    "defaults": {},
+    "namespaced": {"rbac.namespaced": "true", "watchNamespaces": "{ml,research}"},
+    "peering": {
+        "replicaCount": "2",
+        "peering.enabled": "true",
+        "logLevel": "debug",
+        "metrics.serviceMonitor.enabled": "true",
+    },
+    "no-metrics-service": {
+        "metrics.service.enabled": "false",
+        "serviceAccount.create": "false",
+        "serviceAccount.name": "ops",
+    },
+}
+
+
+def test_chart_crds_are_a_copy_of_the_repository_crds() -> None:
+    chart_crds = {p.name: p.read_bytes() for p in (CHART / "crds").glob("*.yaml")}
+    repo_crds = {p.name: p.read_bytes() for p in CRDS.glob("*.yaml")}
+    assert repo_crds, "crds/ is empty: run `make crds`"
+    stale = sorted(n for n in repo_crds.keys() | chart_crds.keys() if repo_crds.get(n) != chart_crds.get(n))
+    assert not stale, f"charts/hsx/crds differs from crds/ in {stale}: run `cp crds/*.yaml charts/hsx/crds/`"
+
+
+def test_helm_lint_strict_is_clean() -> None:
+    out = helm("lint", "--strict", str(CHART))
+    assert "0 chart(s) failed" in out.stdout
+    assert "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout, out.stdout
+
+
+def closest_validate_version() -> str:
+    from kubernetes_validate.utils import all_versions
+
+    def distance(v: str) -> tuple[int, int]:
+        major, minor = (int(x) for x in v.split(".")[:2])
+        return abs(major - KUBE_VERSION[0]), abs(minor - KUBE_VERSION[1])
+
+    return min(all_versions(), key=distance)
+
+
+def kubernetes_validate(path: Path) -> subprocess.CompletedProcess[str]:
+    argv = [
+        str(Path(sys.executable).parent / "kubernetes-validate"),
+        "-k",
+        closest_validate_version(),
+        "--strict",
+        str(path),
+    ]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_rendered_manifests_pass_the_kubernetes_api_schemas(name: str, tmp_path: Path) -> None:
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(render_text(VALUE_SETS[name]))
+    result = kubernetes_validate(rendered)
+    assert result.returncode == 0, result.stdout + result.stderr
+    passed = result.stdout.count(" passed for resource ")
+    assert passed == sum(
+        1 for d in yaml.safe_load_all(rendered.read_text()) if d and d["kind"] != "ServiceMonitor"
+    )
+    # The only kind without a built-in schema is the Prometheus Operator's ServiceMonitor.
+    unknown = [
+        line for line in (result.stdout + result.stderr).splitlines() if "Couldn't find schema" in line
+    ]
+    assert all("ServiceMonitor" in line for line in unknown), unknown
+
+
+def test_the_validator_rejects_a_broken_manifest(tmp_path: Path) -> None:
+    # Control: the validation above can fail.
+    docs = render()
+    deployment = find(docs, "Deployment")[0]
+    deployment["spec"]["template"]["spec"]["containers"][0]["securityContext"]["runAsNonRot"] = True
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(yaml.safe_dump(deployment))
+    result = kubernetes_validate(broken)
+    assert result.returncode != 0
+    assert "runAsNonRot" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"logLevl": "debug"}, "additional properties 'logLevl' not allowed"),
+        ({"metrics.prot": "9000"}, "additional properties 'prot' not allowed"),
+        ({"logLevel": "trace"}, "logLevel"),
+        ({"securityContext.privileged": "true"}, "privileged"),
+        ({"replicaCount": "7"}, "replicaCount"),
+    ],
+)
+def test_bad_values_fail_with_the_schema_message(values: dict[str, str], message: str) -> None:
+    from tests.install.chart import set_args
+
+    result = helm("template", "hsx", str(CHART), *set_args(values), check=False)
+    assert result.returncode != 0
+    assert "values don't meet the specifications of the schema" in result.stderr
+    assert message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"rbac.namespaced": "true"}, "rbac.namespaced=true needs watchNamespaces"),
+        ({"replicaCount": "2"}, "replicaCount > 1 needs peering.enabled=true"),
+        (
+            {"metrics.service.enabled": "false", "metrics.serviceMonitor.enabled": "true"},
+            "needs metrics.service.enabled",
+        ),
+    ],
+)
+def test_broken_combinations_fail_with_a_message(values: dict[str, str], message: str) -> None:
+    from tests.install.chart import set_args
+
+    result = helm("template", "hsx", str(CHART), *set_args(values), check=False)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def operator_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (deployment,) = find(docs, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_defaults_are_pinned_hardened_and_probed() -> None:
+    docs = render()
+    app_version = chart_meta()["appVersion"]
+    (deployment,) = find(docs, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    container = operator_container(docs)
+    assert container["image"] == f"ghcr.io/hsx-dev/hsx-operator:{app_version}"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+    health_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "health")
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert f"--liveness=http://0.0.0.0:{health_port}/healthz" in container["args"]
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+    assert not find(docs, "PodDisruptionBudget") and not find(docs, "ServiceMonitor")
+
+
+def test_the_operator_accepts_the_arguments_the_chart_passes() -> None:
+    for name, values in VALUE_SETS.items():
+        container = operator_container(render(values))
+        assert container["command"] == ["hsx-operator"], name
+        args = build_parser().parse_args(container["args"])
+        metrics_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
+        assert args.metrics_port == metrics_port, name
+        watched = values.get("watchNamespaces", "{}").strip("{}")
+        assert args.namespace == ([n for n in watched.split(",") if n] or [])
+        assert args.all_namespaces == (not args.namespace)
+        assert args.verbose == (values.get("logLevel") == "debug")
+        assert bool(args.peering) == (values.get("peering.enabled") == "true")
+
+
+def rules_of(doc: dict[str, Any]) -> set[tuple[str, str]]:
+    return {
+        (group, res)
+        for rule in doc.get("rules", [])
+        for group in rule["apiGroups"]
+        for res in rule["resources"]
+    }
+
+
+def test_namespaced_install_grants_job_rights_only_in_the_listed_namespaces() -> None:
+    docs = render(VALUE_SETS["namespaced"])
+    roles = find(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "research"]
+    assert sorted(b["metadata"]["namespace"] for b in find(docs, "RoleBinding")) == ["ml", "research"]
+    for role in find(docs, "ClusterRole"):
+        assert not rules_of(role) & {("batch", "jobs"), ("", "pods"), ("hsx.dev", "extractionjobs")}, role
+        verbs = {v for rule in role["rules"] for v in rule["verbs"]}
+        assert verbs <= {"get", "list", "watch"}, "cluster-wide rights must be read-only"
+
+
+def test_cluster_wide_install_binds_one_cluster_role_to_the_service_account() -> None:
+    docs = render()
+    assert not find(docs, "Role")
+    (sa,) = find(docs, "ServiceAccount")
+    bindings = find(docs, "ClusterRoleBinding")
+    assert {b["roleRef"]["name"] for b in bindings} == {
+        r["metadata"]["name"] for r in find(docs, "ClusterRole")
+    }
+    for b in bindings:
+        assert b["subjects"] == [
+            {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "hsx-system"}
+        ]
+    main = max(find(docs, "ClusterRole"), key=lambda r: len(r["rules"]))
+    assert {("batch", "jobs"), ("hsx.dev", "extractionjobs/status"), ("", "configmaps")} <= rules_of(main)
+    assert not any("*" in v for rule in main["rules"] for v in rule["verbs"] + rule["resources"])
+    assert ("", "secrets") not in rules_of(main), "the operator never reads Secrets"
+
+
+def test_peering_renders_pdb_rolling_update_and_peering_rights() -> None:
+    docs = render(VALUE_SETS["peering"])
+    (pdb,) = find(docs, "PodDisruptionBudget")
+    (deployment,) = find(docs, "Deployment")
+    assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert any(("kopf.dev", "clusterkopfpeerings") in rules_of(r) for r in find(docs, "ClusterRole"))
+    (monitor,) = find(docs, "ServiceMonitor")
+    (service,) = find(docs, "Service")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["spec"]["selector"].items()
+
+
+def test_crd_default_images_follow_the_app_version() -> None:
+    app_version = chart_meta()["appVersion"]
+    crd = yaml.safe_load((CHART / "crds" / "extractionjobs.hsx.dev.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    for block in ("server", "extractor"):
+        image = spec[block]["properties"]["image"]["default"]
+        assert image.startswith("ghcr.io/hsx-dev/") and image.endswith(f":{app_version}"), image
+
+
+def test_notes_tell_the_next_steps() -> None:
+    result = helm("install", "hsx", str(CHART), "--dry-run=client", "--namespace", "hsx-system")
+    notes = result.stdout.split("NOTES:", 1)[1]
+    for step in ("rollout status", "examples/minimal.yaml", "hsx estimate", "runId", "argocd-health.lua"):
+        assert step in notes, step
