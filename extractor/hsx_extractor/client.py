@@ -1,0 +1,115 @@
+"""The extraction server's HTTP API, as hsx uses it (SGLang's /generate, /health, /get_model_info).
+
+Knows the wire format and nothing else. At most ``concurrency`` requests are in flight; the
+caller queues more than that so the server always has the next request waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+
+
+class ServerUnavailable(RuntimeError):
+    """The server cannot be reached or keeps failing (a transient, whole-run error)."""
+
+
+class RequestRejected(RuntimeError):
+    """The server answered this one request with a client error (4xx)."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:500]}")
+        self.status = status
+        self.body = body
+
+
+def generate_body(input_ids: Sequence[int], rid: str) -> dict[str, Any]:
+    """One prefill, one generated token, nothing but the dump wanted back."""
+    return {
+        "input_ids": [int(i) for i in input_ids],
+        "rid": rid,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "return_hidden_states": False,
+    }
+
+
+class ServerClient:
+    def __init__(
+        self,
+        base_url: str,
+        session: aiohttp.ClientSession,
+        concurrency: int,
+        request_timeout: float = 3600.0,
+        connect_retries: int = 5,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.session = session
+        self._slots = asyncio.Semaphore(concurrency)
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.request_timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=30)
+        self.connect_retries = connect_retries
+
+    async def health(self) -> bool:
+        try:
+            async with self.session.get(f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not await self.health():
+            if time.monotonic() > deadline:
+                raise ServerUnavailable(f"{self.base_url}/health did not answer 200 within {timeout:.0f}s")
+            await asyncio.sleep(0.5)
+
+    async def model_info(self) -> dict[str, Any]:
+        try:
+            async with self.session.get(
+                f"{self.base_url}/get_model_info", timeout=aiohttp.ClientTimeout(total=30)
+            ) as r:
+                r.raise_for_status()
+                info = await r.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise ServerUnavailable(f"{self.base_url}/get_model_info failed: {exc}") from exc
+        if not isinstance(info, dict):
+            raise ServerUnavailable(f"{self.base_url}/get_model_info returned {type(info).__name__}")
+        return info
+
+    async def generate(self, input_ids: Sequence[int], rid: str) -> dict[str, Any]:
+        """POST /generate for one rid. Retries connection failures and 5xx; raises
+        :class:`RequestRejected` on 4xx and :class:`ServerUnavailable` when retries run out."""
+        body = generate_body(input_ids, rid)
+        async with self._slots:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            try:
+                return await self._post_with_retries(body)
+            finally:
+                self.in_flight -= 1
+
+    async def _post_with_retries(self, body: dict[str, Any]) -> dict[str, Any]:
+        last = ""
+        for attempt in range(self.connect_retries + 1):
+            if attempt:
+                await asyncio.sleep(min(0.5 * 2**attempt, 10.0))
+            try:
+                async with self.session.post(
+                    f"{self.base_url}/generate", json=body, timeout=self.request_timeout
+                ) as r:
+                    text = await r.text()
+                    if r.status < 400:
+                        out = json.loads(text) if text else {}
+                        return out if isinstance(out, dict) else {"response": out}
+                    if r.status < 500:
+                        raise RequestRejected(r.status, text)
+                    last = f"HTTP {r.status}: {text[:300]}"
+            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+        raise ServerUnavailable(f"/generate for {body['rid']} failed {self.connect_retries + 1} times: {last}")

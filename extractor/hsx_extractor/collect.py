@@ -1,0 +1,143 @@
+"""Collect the dump of one rid from the dump directory.
+
+Correlation is by rid only: the collector looks at ``protocol.dump_path(dir, rid)`` and
+``protocol.error_path(dir, rid)`` for exactly the rid it sent, never at arrival order or the
+newest file. Works on any plain directory of dumps (the SGLang hook's tests use it so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import protocol
+from .protocol import Dump, ProtocolError
+from .reasons import Reason
+from .validate import Mismatch, check_dump
+
+
+@dataclass(frozen=True)
+class Found:
+    """The complete dump of a rid."""
+
+    dump: Dump
+    path: Path
+
+
+@dataclass(frozen=True)
+class ServerRefused:
+    """The server wrote an error marker instead of data for the rid."""
+
+    reason: str
+    message: str
+    path: Path
+
+
+Arrival = Found | ServerRefused
+
+
+def look(dump_dir: str | os.PathLike[str], rid: str) -> Arrival | Mismatch | None:
+    """What the directory holds for ``rid`` right now (None: nothing yet). Reads the file if so."""
+    err = protocol.error_path(dump_dir, rid)
+    if err.exists():
+        try:
+            marker = protocol.read_error(err)
+        except (ValueError, ProtocolError) as exc:
+            return ServerRefused("unreadable_marker", str(exc), err)
+        return ServerRefused(marker.get("reason", "unknown"), marker.get("message", ""), err)
+    path = protocol.dump_path(dump_dir, rid)
+    try:
+        dump = protocol.read_dump(path)
+    except FileNotFoundError:
+        return None
+    except ProtocolError as exc:
+        # Renamed into place only when complete, so a damaged file is a server bug, not a race.
+        return Mismatch(Reason.LENGTH_MISMATCH, f"damaged dump: {exc}")
+    return Found(dump, path)
+
+
+def check_collected(
+    arrival: Arrival | Mismatch, rid: str, sent_ids: np.ndarray, hidden_size: int, num_aux: int
+) -> Dump | Mismatch:
+    """The dump if it is exactly the sample sent as ``rid``, else why not."""
+    if isinstance(arrival, Mismatch):
+        return arrival
+    if isinstance(arrival, ServerRefused):
+        return Mismatch(Reason.SERVER_ERROR, f"server: {arrival.reason}: {arrival.message}")
+    return check_dump(rid, sent_ids, arrival.dump, hidden_size, num_aux) or arrival.dump
+
+
+def remove(dump_dir: str | os.PathLike[str], rid: str) -> None:
+    """Delete whatever the directory holds for ``rid``."""
+    protocol.dump_path(dump_dir, rid).unlink(missing_ok=True)
+    protocol.error_path(dump_dir, rid).unlink(missing_ok=True)
+
+
+def waiting_bytes(dump_dir: str | os.PathLike[str]) -> int:
+    """Bytes of every file in the dump directory (partial ones included: they hold shm too)."""
+    total = 0
+    try:
+        with os.scandir(dump_dir) as entries:
+            for entry in entries:
+                try:
+                    total += entry.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    continue
+    except FileNotFoundError:
+        return 0
+    return total
+
+
+def remove_with_prefix(dump_dir: str | os.PathLike[str], rid_prefix: str) -> int:
+    """Delete complete dumps/markers whose rid starts with ``rid_prefix`` (a dead process's leftovers)."""
+    removed = 0
+    for entry in os.scandir(dump_dir):
+        rid = protocol.rid_of(entry.name)
+        if rid is not None and rid.startswith(rid_prefix):
+            Path(entry.path).unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+class Collector:
+    """Waits for the dumps of rids the extractor sent, in a thread so reads never block the loop."""
+
+    def __init__(self, dump_dir: str | os.PathLike[str], poll_min: float = 0.002, poll_max: float = 0.05) -> None:
+        self.dump_dir = Path(dump_dir)
+        self.poll_min = poll_min
+        self.poll_max = poll_max
+        # Rids given up on: a late dump for them is deleted when it appears, never used.
+        self._abandoned: set[str] = set()
+
+    async def wait(self, rid: str, timeout: float) -> Arrival | Mismatch | None:
+        """The rid's dump or error marker, or None if neither appeared within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        delay = self.poll_min
+        while True:
+            found = await asyncio.to_thread(look, self.dump_dir, rid)
+            if found is not None:
+                return found
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            await asyncio.sleep(min(delay, remaining))
+            delay = min(delay * 2, self.poll_max)
+
+    def abandon(self, rid: str) -> None:
+        self._abandoned.add(rid)
+        remove(self.dump_dir, rid)
+
+    def sweep(self) -> int:
+        """Delete late arrivals of abandoned rids; returns how many files went."""
+        gone = 0
+        for rid in list(self._abandoned):
+            for path in (protocol.dump_path(self.dump_dir, rid), protocol.error_path(self.dump_dir, rid)):
+                if path.exists():
+                    path.unlink(missing_ok=True)
+                    gone += 1
+        return gone

@@ -1,0 +1,504 @@
+"""One extraction run: dataset -> tokens -> server -> dumps by rid -> validated samples -> shards.
+
+Resume needs no local state: shards with a commit record are skipped, every other shard of this
+replica is redone from its first row, and a shard becomes visible only through its commit record,
+so a crash at any point (SIGKILL included) leaves each good sample in the output exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from . import __version__, collect
+from .client import RequestRejected, ServerClient, ServerUnavailable
+from .collect import Collector
+from .config import EXIT_PERMANENT, EXIT_TRANSIENT, ExtractConfig
+from .dataset import DatasetError, Prepared, Rejected, iter_lines, parse_row, prepare, read_samples
+from .plan import PLAN_NAME, PlanMismatch, ShardPlan, build_plan, replica_shards
+from .progress import Progress
+from .protocol import make_rid
+from .reasons import Reason
+from .shards import QuarantineEntry, SampleRecord, ShardCommit
+from .store import PermanentStoreError, ShardBuilder, Store, StoreError, open_store
+from .tokens import ChatTokenizer, TokenizerError
+from .validate import DumpShapeError, Mismatch, MismatchGate
+
+SERVER_START_TIMEOUT_S = 600.0
+
+
+class RunFailed(Exception):
+    """The run stops; ``exit_code`` is what ``hsx extract`` exits with."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def permanent(message: str) -> RunFailed:
+    return RunFailed(message, EXIT_PERMANENT)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the dumps must look like, from the server (or the model's config.json)."""
+
+    hidden_size: int
+    capture_layers: tuple[int, ...]
+    vocab_size: int | None
+    architecture: str | None
+    model_path: str | None
+
+
+def model_shape(info: dict[str, Any], model_path: str | None) -> ModelShape:
+    """Shape from /get_model_info, falling back to the model's config.json (SGLang reports less)."""
+    config: dict[str, Any] = {}
+    if model_path and (Path(model_path) / "config.json").is_file():
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        config = config.get("text_config") or config
+    hidden = info.get("hidden_size") or config.get("hidden_size")
+    if not hidden:
+        raise permanent("neither /get_model_info nor the model's config.json gives the hidden size")
+    layers = info.get("capture_layers")
+    if layers is None:
+        from .layers import default_capture_layers
+
+        n = info.get("num_hidden_layers") or config.get("num_hidden_layers")
+        if not n:
+            raise permanent("cannot tell which layers the server captures (no capture_layers, no layer count)")
+        layers = default_capture_layers(int(n))
+    vocab = info.get("vocab_size") or config.get("vocab_size")
+    arch = info.get("architecture") or (config.get("architectures") or [None])[0]
+    return ModelShape(int(hidden), tuple(int(j) for j in layers), int(vocab) if vocab else None, arch,
+                      info.get("model_path") or model_path)
+
+
+def check_vocab(shape: ModelShape, tokenizer_vocab: int, model_path: str | None) -> None:
+    """The server must run a model whose vocabulary covers the tokenizer (and is the model's own)."""
+    if shape.vocab_size is None:
+        return
+    if shape.vocab_size < tokenizer_vocab:
+        raise permanent(
+            f"the server reports vocab size {shape.vocab_size}, smaller than the tokenizer's {tokenizer_vocab}: "
+            "it runs a different model or tokenizer"
+        )
+    config_path = Path(model_path) / "config.json" if model_path else None
+    if config_path and config_path.is_file():
+        config = json.loads(config_path.read_text())
+        own = (config.get("text_config") or config).get("vocab_size")
+        if own and int(own) != shape.vocab_size:
+            raise permanent(f"the server reports vocab size {shape.vocab_size}, {config_path} says {own}")
+
+
+def replica_from_env(cfg: ExtractConfig) -> ExtractConfig:
+    """An indexed Job sets JOB_COMPLETION_INDEX; it is the replica index unless the config sets one."""
+    env = os.environ.get("JOB_COMPLETION_INDEX")
+    if env is not None and "replicaIndex" not in cfg.model_fields_set:
+        return cfg.model_copy(update={"replicaIndex": int(env)})
+    return cfg
+
+
+@dataclass
+class _Shard:
+    index: int
+    indices: range
+    remaining: int
+    builder: ShardBuilder | None = None
+
+
+@dataclass
+class RunResult:
+    """What a finished run did (this process only, plus the manifest if it wrote the last shard)."""
+
+    run_id: str
+    output: str
+    fingerprint: str
+    shards_done: list[int]
+    commits: list[ShardCommit] = field(default_factory=list)
+    manifest: dict[str, Any] | None = None
+
+
+class Extraction:
+    def __init__(self, cfg: ExtractConfig, progress: Progress | None = None) -> None:
+        self.cfg = replica_from_env(cfg)
+        self.progress = progress or Progress(self.cfg.runId, self.cfg.replicaIndex)
+        self.gate = MismatchGate(
+            cfg.validation.maxMismatchRate, cfg.validation.gateWindow, cfg.validation.gateMinSamples
+        )
+        # A fresh key per process: a restarted extractor never reuses a rid the server has seen.
+        self.rid_prefix = f"{cfg.runId}-r{self.cfg.replicaIndex}"
+        self.run_key = f"{self.rid_prefix}-{os.urandom(3).hex()}"
+        self._store_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsx-store")
+        self._seal_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hsx-seal")
+
+    # ---- start: tokenizer, server, store, plan ----------------------------------------------
+    def open_tokenizer(self) -> ChatTokenizer:
+        cfg = self.cfg
+        tokenizer_dir = cfg.dataset.tokenizer or cfg.modelPath
+        if not tokenizer_dir:
+            raise permanent("set modelPath or dataset.tokenizer: hsx tokenizes with the model's tokenizer")
+        try:
+            tok = ChatTokenizer(tokenizer_dir, cfg.dataset.chatTemplate)
+            if cfg.dataset.format == "messages":
+                tok.require_generation_template()
+        except TokenizerError as exc:
+            raise permanent(str(exc)) from exc
+        expected = cfg.dataset.expectedTokenizerFingerprint
+        if expected and tok.fingerprint != expected:
+            raise permanent(
+                f"tokenizer fingerprint mismatch: the dataset was prepared with {expected}, "
+                f"the tokenizer in {tokenizer_dir} is {tok.fingerprint}"
+            )
+        return tok
+
+    def plan_identity(self, tok: ChatTokenizer, shape: ModelShape) -> dict[str, Any]:
+        d = self.cfg.dataset
+        return {
+            "dataset": d.uri,
+            "format": d.format,
+            "limit": d.limit,
+            "maxLength": d.maxLength,
+            "tokenizerFingerprint": tok.fingerprint,
+            "shardTargetBytes": self.cfg.output.shardTargetBytes,
+            "hiddenSize": shape.hidden_size,
+            "captureLayers": list(shape.capture_layers),
+        }
+
+    def compute_plan(self, tok: ChatTokenizer, shape: ModelShape) -> ShardPlan:
+        """Pre-pass over the whole dataset: lengths and ids only, nothing is kept."""
+        d = self.cfg.dataset
+        lengths: list[int | None] = []
+        ids: list[str | None] = []
+        for item in read_samples(iter_lines(d.uri, self.cfg.output), tok, d.maxLength, d.format, d.limit):
+            accepted = isinstance(item, Prepared)
+            lengths.append(item.length if isinstance(item, Prepared) else None)
+            ids.append(item.sample_id if accepted else None)
+        if not lengths:
+            raise permanent(f"dataset {d.uri} has no rows")
+        return build_plan(
+            self.plan_identity(tok, shape), lengths, ids, len(shape.capture_layers), shape.hidden_size,
+            self.cfg.output.shardTargetBytes,
+        )
+
+    async def load_plan(self, store: Store, tok: ChatTokenizer, shape: ModelShape) -> ShardPlan:
+        identity = self.plan_identity(tok, shape)
+        stored = await asyncio.to_thread(store.get_json, PLAN_NAME)
+        if stored is None:
+            plan = await asyncio.to_thread(self.compute_plan, tok, shape)
+            stored = await asyncio.to_thread(store.put_json_if_absent, PLAN_NAME, plan.to_json())
+        try:
+            plan = ShardPlan.from_json(stored)
+            plan.check_identity(identity)
+        except (PlanMismatch, KeyError, TypeError, ValueError) as exc:
+            raise permanent(f"{store.description}/{PLAN_NAME}: {exc}") from exc
+        return plan
+
+    # ---- the run -------------------------------------------------------------------------------
+    async def run(self) -> RunResult:
+        cfg = self.cfg
+        tok = await asyncio.to_thread(self.open_tokenizer)
+        try:
+            store = await asyncio.to_thread(open_store, cfg.output, cfg.runId)
+        except ValueError as exc:
+            raise permanent(f"output {cfg.output.uri}: {exc}") from exc
+        Path(cfg.dumpDir).mkdir(parents=True, exist_ok=True)
+        stale = collect.remove_with_prefix(cfg.dumpDir, f"hsx-{self.rid_prefix}-")
+        if stale:
+            print(f"hsx: removed {stale} dumps left by an earlier process of this replica", flush=True)
+        connector = aiohttp.TCPConnector(limit=cfg.concurrency + 4)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            client = ServerClient(cfg.serverUrl, session, cfg.concurrency)
+            self.progress.watch_in_flight(lambda: client.in_flight)
+            await client.wait_healthy(SERVER_START_TIMEOUT_S)
+            shape = model_shape(await client.model_info(), cfg.modelPath)
+            check_vocab(shape, tok.vocab_size, cfg.modelPath)
+            plan = await self.load_plan(store, tok, shape)
+            mine = replica_shards(len(plan.shards), cfg.replicaIndex, cfg.replicaCount)
+            committed = await asyncio.to_thread(store.committed_shards)
+            todo = [k for k in mine if k not in committed]
+            await self._count_resumed(store, plan, [k for k in mine if k in committed], len(mine))
+            self.progress.state = "running"
+            commits = await self._extract(store, client, tok, shape, plan, todo) if todo else []
+        manifest = await asyncio.to_thread(store.finalize, self.run_info(tok, shape, plan))
+        self.progress.state = "succeeded"
+        return RunResult(cfg.runId, store.description, tok.fingerprint, todo, commits, manifest)
+
+    async def _count_resumed(self, store: Store, plan: ShardPlan, done: list[int], mine: int) -> None:
+        p = self.progress
+        p.shards_total = mine
+        p.samples_total = sum(len(plan.shard_range(k)) for k in replica_shards(len(plan.shards),
+                              self.cfg.replicaIndex, self.cfg.replicaCount))
+        for k in done:
+            commit = await asyncio.to_thread(store.get_commit, k)
+            n = len(plan.shard_range(k))
+            p.samples_done += n
+            p.samples_resumed += n
+            p.shards_committed += 1
+            if commit is not None:
+                p.bytes_committed += commit.bytes_stored
+                for q in commit.quarantine:
+                    p.quarantined[q.reason] += 1
+
+    def run_info(self, tok: ChatTokenizer, shape: ModelShape, plan: ShardPlan) -> dict[str, Any]:
+        return {
+            "hsxVersion": __version__,
+            "tokenizerFingerprint": tok.fingerprint,
+            "model": shape.model_path,
+            "architecture": shape.architecture,
+            "hiddenSize": shape.hidden_size,
+            "captureLayers": list(shape.capture_layers),
+            "dataset": self.cfg.dataset.uri,
+            "rows": plan.rows,
+            "maxLength": self.cfg.dataset.maxLength,
+            "replicaCount": self.cfg.replicaCount,
+        }
+
+    async def _extract(
+        self, store: Store, client: ServerClient, tok: ChatTokenizer, shape: ModelShape, plan: ShardPlan,
+        todo: list[int],
+    ) -> list[ShardCommit]:
+        shards = {k: _Shard(k, plan.shard_range(k), len(plan.shard_range(k))) for k in todo}
+        shard_of = {i: k for k in todo for i in plan.shard_range(k)}
+        worker = _ShardWorker(self, store, client, shape, shards, shard_of)
+        try:
+            await worker.run(self._reader(tok, plan, shard_of))
+        except BaseException:
+            await asyncio.to_thread(worker.abort_open)
+            raise
+        finally:
+            self._store_thread.shutdown(wait=False)
+            self._seal_threads.shutdown(wait=False)
+        unfinished = sorted(k for k, s in shards.items() if s.remaining)
+        if unfinished:
+            raise permanent(
+                f"the dataset ended before shards {unfinished[:5]} were complete: it has fewer rows than "
+                f"plan.json ({plan.rows}); was it changed since the plan was made?"
+            )
+        return worker.commits
+
+    def _reader(self, tok: ChatTokenizer, plan: ShardPlan, shard_of: dict[int, int]) -> Callable[
+        [Callable[[Prepared | Rejected], None]], None
+    ]:
+        d = self.cfg.dataset
+
+        def read(emit: Callable[[Prepared | Rejected], None]) -> None:
+            for index, raw in enumerate(iter_lines(d.uri, self.cfg.output)):
+                if index >= plan.rows:
+                    return
+                if index not in shard_of:
+                    continue
+                row = parse_row(index, raw, d.format)
+                item = row if isinstance(row, Rejected) else prepare(row, tok, d.maxLength)
+                if isinstance(item, Prepared) and index in plan.duplicates:
+                    detail = f"id {item.sample_id!r} is used by an earlier row"
+                    item = Rejected(index, item.sample_id, Reason.DUPLICATE_ID, detail)
+                emit(item)
+
+        return read
+
+
+class _ShardWorker:
+    """The concurrent part: sends samples, collects their dumps, fills and seals shards."""
+
+    def __init__(
+        self, run: Extraction, store: Store, client: ServerClient, shape: ModelShape,
+        shards: dict[int, _Shard], shard_of: dict[int, int],
+    ) -> None:
+        self.run_ = run
+        self.cfg = run.cfg
+        self.progress = run.progress
+        self.store = store
+        self.client = client
+        self.shape = shape
+        self.shards = shards
+        self.shard_of = shard_of
+        self.collector = Collector(self.cfg.dumpDir)
+        self.commits: list[ShardCommit] = []
+        # Samples between read and shard; twice the requests in flight keeps the server fed.
+        self._active = asyncio.Semaphore(2 * self.cfg.concurrency)
+
+    async def run(self, reader: Callable[[Callable[[Prepared | Rejected], None]], None]) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Prepared | Rejected | None] = asyncio.Queue(maxsize=4 * self.cfg.concurrency)
+        stop = threading.Event()
+
+        def emit(item: Prepared | Rejected) -> None:
+            if stop.is_set():
+                raise _ReaderStopped
+            asyncio.run_coroutine_threadsafe(queue.put(item), loop).result()
+
+        def produce() -> None:
+            # Tokenizing is CPU work: it runs in this thread, never in the event loop.
+            try:
+                reader(emit)
+            except _ReaderStopped:
+                return
+            except (OSError, ValueError, StoreError) as exc:
+                raise DatasetError(f"reading the dataset {self.cfg.dataset.uri}: {exc}") from exc
+            finally:
+                if not stop.is_set():
+                    asyncio.run_coroutine_threadsafe(queue.put(None), loop).result()
+
+        reading = loop.run_in_executor(None, produce)
+        pending: set[asyncio.Task[None]] = set()
+        try:
+            async with asyncio.TaskGroup() as group:
+                sweeper = group.create_task(self._sweep_forever())
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, Rejected):
+                        entry = _quarantine(item.index, item.sample_id, item.reason, item.detail)
+                        task = group.create_task(self._resolve(item.index, entry))
+                    else:
+                        await self._active.acquire()
+                        task = group.create_task(self._sample(item))
+                        task.add_done_callback(lambda _: self._active.release())
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                await reading
+                while pending:
+                    await asyncio.wait(set(pending))
+                sweeper.cancel()
+        except* DatasetError as group_exc:
+            raise _first(group_exc, lambda e: permanent(str(e))) from None
+        except* RunFailed as group_exc:
+            raise _first(group_exc) from None
+        except* StoreError as group_exc:
+            raise _first(group_exc, lambda e: RunFailed(str(e), e.exit_code)) from None
+        except* ServerUnavailable as group_exc:
+            raise _first(group_exc, lambda e: RunFailed(str(e), EXIT_TRANSIENT)) from None
+        except* DumpShapeError as group_exc:
+            raise _first(group_exc, lambda e: permanent(str(e))) from None
+        finally:
+            stop.set()
+            while not queue.empty():  # unblock a reader waiting on a full queue
+                queue.get_nowait()
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            await asyncio.to_thread(self.collector.sweep)
+
+    async def _backpressure(self) -> None:
+        limit = self.cfg.dumpDirMaxBytes
+        waited_since: float | None = None
+        while (held := collect.waiting_bytes(self.cfg.dumpDir)) > limit:
+            waited_since = waited_since or time.monotonic()
+            if time.monotonic() - waited_since > 10:
+                self.progress.last_error = f"back-pressure: {held} bytes of dumps waiting > dumpDirMaxBytes {limit}"
+            await asyncio.sleep(0.02)
+
+    async def _sample(self, sample: Prepared) -> None:
+        v = self.cfg.validation
+        ids = sample.input_ids.tolist()
+        outcome: Mismatch | None = None
+        for attempt in range(v.maxRetries + 1):
+            await self._backpressure()
+            rid = make_rid(self.run_.run_key, sample.index, attempt)
+            try:
+                await self.client.generate(ids, rid)
+            except RequestRejected as exc:
+                outcome = Mismatch(Reason.SERVER_ERROR, f"rid {rid}: {exc}")
+                break
+            arrival = await self.collector.wait(rid, v.dumpTimeoutSeconds)
+            if arrival is None:
+                self.collector.abandon(rid)
+                outcome = Mismatch(Reason.NO_DUMP, f"no dump for {rid} within {v.dumpTimeoutSeconds:g}s "
+                                                   f"({attempt + 1} attempts)")
+                continue
+            checked = await asyncio.to_thread(
+                collect.check_collected, arrival, rid, sample.input_ids, self.shape.hidden_size,
+                len(self.shape.capture_layers),
+            )
+            if isinstance(checked, Mismatch):
+                collect.remove(self.cfg.dumpDir, rid)
+                outcome = checked
+                break
+            record = SampleRecord(sample.index, sample.sample_id, sample.input_ids, sample.loss_mask,
+                                  checked.aux_hidden_states, checked.hidden_states)
+            await self._resolve(sample.index, record, rid)
+            self.gate.record(False)
+            return
+        assert outcome is not None
+        self.gate.record(True)
+        self.progress.last_error = f"sample {sample.index}: {outcome.reason}: {outcome.detail}"
+        if v.onMismatch == "fail":
+            raise permanent(f"validation.onMismatch=fail: sample {sample.index} ({sample.sample_id}): "
+                            f"{outcome.reason}: {outcome.detail}")
+        await self._resolve(sample.index, _quarantine(sample.index, sample.sample_id, outcome.reason, outcome.detail))
+        verdict = self.gate.verdict()
+        if verdict:
+            raise permanent(verdict)
+
+    @property
+    def gate(self) -> MismatchGate:
+        return self.run_.gate
+
+    async def _resolve(self, index: int, item: SampleRecord | QuarantineEntry, rid: str | None = None) -> None:
+        """Hand one row's result to its shard (in the store thread); seal the shard when it is full."""
+        loop = asyncio.get_running_loop()
+        shard = self.shards[self.shard_of[index]]
+        full = await loop.run_in_executor(self.run_._store_thread, self._add, shard, item, rid)
+        if isinstance(item, SampleRecord):
+            self.progress.sample_done(item.seq_len)
+        else:
+            self.progress.sample_quarantined(item.reason)
+        if full:
+            assert shard.builder is not None
+            commit = await loop.run_in_executor(self.run_._seal_threads, shard.builder.seal)
+            self.commits.append(commit)
+            self.progress.shard_committed(commit.bytes_stored)
+
+    def _add(self, shard: _Shard, item: SampleRecord | QuarantineEntry, rid: str | None) -> bool:
+        if shard.builder is None:
+            shard.builder = self.store.open_shard(shard.index, shard.indices)
+        if isinstance(item, SampleRecord):
+            shard.builder.add(item)
+        else:
+            shard.builder.quarantine(item)
+        if rid is not None:
+            collect.remove(self.cfg.dumpDir, rid)  # in the shard's spool now; free the shm
+        shard.remaining -= 1
+        return shard.remaining == 0
+
+    def abort_open(self) -> None:
+        for shard in self.shards.values():
+            if shard.builder is not None and shard.builder.result is None:
+                shard.builder.abort()
+
+
+class _ReaderStopped(Exception):
+    """Tells the reader thread that the run ended without it."""
+
+
+def _quarantine(index: int, sample_id: str | None, reason: str, detail: str) -> QuarantineEntry:
+    return QuarantineEntry(index, sample_id, str(reason), detail)
+
+
+def _first(group: BaseExceptionGroup[Any], convert: Callable[[Any], BaseException] | None = None) -> BaseException:
+    exc = group.exceptions[0]
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return convert(exc) if convert else exc
+
+
+def describe_failure(exc: BaseException) -> tuple[str, int]:
+    """Message and exit code for any error that ends a run."""
+    if isinstance(exc, RunFailed):
+        return str(exc), exc.exit_code
+    if isinstance(exc, PermanentStoreError):
+        return str(exc), EXIT_PERMANENT
+    if isinstance(exc, StoreError):
+        return str(exc), exc.exit_code
+    if isinstance(exc, ServerUnavailable):
+        return str(exc), EXIT_TRANSIENT
+    return f"{type(exc).__name__}: {exc}", EXIT_TRANSIENT

@@ -1,0 +1,123 @@
+"""A tiny, seeded, random-initialised Llama-style model with a locally trained tokenizer.
+
+Tests and the demo need a real model directory (config, weights, tokenizer, chat template)
+without downloading anything. Everything here is built from the bundled example dataset.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+BOS = "<|bos|>"
+EOS = "<|eos|>"
+PAD = "<|pad|>"
+TURN_START = "<|start|>"
+TURN_END = "<|end|>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, TURN_START, TURN_END]
+
+# Assistant turns are wrapped in {% generation %} so the loss mask comes from the template itself.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|end|>' }}{% endgeneration %}"
+    "{% else %}"
+    "{{ message['content'] + '<|end|>' }}"
+    "{% endif %}"
+    "{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of the tiny model. Defaults keep a forward pass to milliseconds on one CPU core."""
+
+    num_layers: int = 8
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    vocab_size: int = 512
+    max_positions: int = 4096
+    seed: int = 0
+
+
+def example_dataset_path() -> Path:
+    """The bundled example dataset (a few dozen chats plus deliberately malformed rows)."""
+    return Path(str(resources.files("hsx_extractor") / "data" / "example.jsonl"))
+
+
+def _training_text(path: Path) -> Iterator[str]:
+    # Learn merges from the conversations' text; undecodable or malformed lines are skipped.
+    for raw in path.read_bytes().splitlines():
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except ValueError:
+            continue
+        for message in row.get("messages") or []:
+            if isinstance(message, dict) and isinstance(message.get("content"), str):
+                yield message["content"]
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int, corpus: Path | None = None) -> None:
+    """Train a byte-level BPE tokenizer and save it with its chat template as a HF tokenizer dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_text(corpus or example_dataset_path()), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        # The template writes BOS itself; the tokenizer must not add a second one.
+        add_bos_token=False,
+        add_eos_token=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+
+
+def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, corpus: Path | None = None) -> Path:
+    """Write a complete model directory (config, safetensors weights, tokenizer) to ``out_dir``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = spec or TinyModelSpec()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out, spec.vocab_size, corpus)
+    vocab = len(json.loads((out / "tokenizer.json").read_text())["model"]["vocab"])
+    config = LlamaConfig(
+        vocab_size=max(vocab, len(SPECIAL_TOKENS)),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_positions,
+        bos_token_id=SPECIAL_TOKENS.index(BOS),
+        eos_token_id=SPECIAL_TOKENS.index(EOS),
+        pad_token_id=SPECIAL_TOKENS.index(PAD),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
