@@ -148,3 +148,13 @@ class RunLayout:
             return None
         m = _COMMIT_RE.match(key[len(self.commits_prefix) :])
         return int(m.group(1)) if m else None
+
+
+def split_run_uri(uri: str) -> tuple[str, str]:
+    """A run's URI (``{output.uri}/{runId}``) -> (output URI, runId)."""
+    trimmed = uri.rstrip("/")
+    parent, sep, run_id = trimmed.rpartition("/")
+    if not sep or not parent or parent.endswith(":/"):
+        raise InvalidKeyError(f"{uri!r} does not end in a runId: give {{output.uri}}/{{runId}}")
+    validate_run_id(run_id)
+    return parent, run_id

@@ -1,0 +1,166 @@
+"""The trainer's side: a PyTorch ``Dataset`` over a committed hsx output.
+
+Items use SpecForge's offline-dataset keys and shapes, so an EAGLE-3 drafter trainer can use it
+directly::
+
+    input_ids         torch.long      [L]
+    loss_mask         torch.long      [L]
+    hidden_state      torch.bfloat16  [1, L, H]
+    aux_hidden_state  torch.bfloat16  [1, L, K*H]   (K = 3 for EAGLE-3)
+
+Only shards with a commit record are read; each item is one ranged read, checksummed unless
+``verify_checksums=False``. torch is imported lazily so the extractor image (no torch) can
+import the rest of hsx_extractor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+from hsx_extractor.config import OutputSpec
+from hsx_extractor.keys import MANIFEST_NAME, split_run_uri
+from hsx_extractor.shards import SampleRecord, ShardFormatError, ShardHeader
+from hsx_extractor.store import PermanentStoreError, Store, open_store
+
+if TYPE_CHECKING:
+    import torch
+
+try:  # a real torch Dataset when torch is there; a plain base class otherwise
+    from torch.utils.data import Dataset as _Base
+except ImportError:  # pragma: no cover - the extractor image
+    _Base = object  # type: ignore[assignment,misc]
+
+
+class OutputReader:
+    """Random access to the samples of a committed run, without torch."""
+
+    def __init__(self, uri: str, output: OutputSpec | None = None, require_manifest: bool = True):
+        self.uri = uri
+        output_uri, self.run_id = split_run_uri(uri)
+        self._spec = (
+            output.model_copy(update={"uri": output_uri})
+            if output
+            else OutputSpec.model_validate({"uri": output_uri})
+        )
+        store = self._open()
+        if require_manifest and store.get_json(MANIFEST_NAME) is None:
+            raise PermanentStoreError(
+                f"{uri} has no manifest.json: the run is not finished (pass require_manifest=False to read "
+                "the shards committed so far)"
+            )
+        self._shards: list[int] = []
+        self._starts: list[int] = []  # position of each shard's first sample in the flat order
+        self._indices: list[tuple[int, ...]] = []
+        total = 0
+        for k in sorted(store.committed_shards()):
+            commit = store.get_commit(k)
+            if commit is None or not commit.sample_indices:
+                continue
+            self._shards.append(k)
+            self._starts.append(total)
+            self._indices.append(commit.sample_indices)
+            total += commit.samples
+        self._len = total
+        self._headers: dict[int, ShardHeader] = {}
+        self._lock = threading.Lock()
+        self._store_obj = store
+        self._pid = os.getpid()
+
+    def _open(self) -> Store:
+        return open_store(self._spec, self.run_id)
+
+    def _store(self) -> Store:
+        # boto3 clients do not survive fork(): each DataLoader worker opens its own.
+        pid = os.getpid()
+        if getattr(self, "_pid", None) != pid:
+            self._store_obj = self._open()
+            self._pid = pid
+            self._headers = {}
+        return self._store_obj
+
+    def __len__(self) -> int:
+        return self._len
+
+    def locate(self, position: int) -> tuple[int, int, int]:
+        """(shard index, dataset index, slot in the shard) of the ``position``-th sample."""
+        if not 0 <= position < self._len:
+            raise IndexError(f"sample position {position} out of range [0, {self._len})")
+        slot = bisect.bisect_right(self._starts, position) - 1
+        within = position - self._starts[slot]
+        return self._shards[slot], self._indices[slot][within], within
+
+    def header(self, shard_index: int) -> ShardHeader:
+        store = self._store()
+        with self._lock:
+            cached = self._headers.get(shard_index)
+        if cached is None:
+            cached = store.read_header(shard_index)
+            with self._lock:
+                self._headers[shard_index] = cached
+        return cached
+
+    def read(self, position: int, verify_checksums: bool = True) -> SampleRecord:
+        shard, index, within = self.locate(position)
+        header = self.header(shard)
+        entry = header.samples[within] if within < len(header.samples) else None
+        if entry is None or entry.index != index:
+            raise ShardFormatError(f"shard {shard}: header and commit record disagree at sample {index}")
+        return self._store().read_sample(shard, header, entry, verify=verify_checksums)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in ("_store_obj", "_pid", "_lock"):
+            state.pop(name, None)
+        state["_headers"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+class HiddenStatesDataset(_Base):  # type: ignore[misc,valid-type]
+    """A torch Dataset over a committed run at ``uri`` (``{output.uri}/{runId}``, local or s3://).
+
+    ``output`` supplies endpoint, region and path style for S3 (credentials come from the AWS
+    chain). ``require_manifest=False`` also reads runs that are still in progress.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        output: OutputSpec | None = None,
+        verify_checksums: bool = True,
+        require_manifest: bool = True,
+    ):
+        self.reader = OutputReader(uri, output, require_manifest)
+        self.verify_checksums = verify_checksums
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
+        return to_specforge(self.reader.read(position, self.verify_checksums))
+
+    def dataset_index(self, position: int) -> int:
+        """The dataset row a position holds (positions skip quarantined rows)."""
+        return self.reader.locate(position)[1]
+
+
+def to_specforge(rec: SampleRecord) -> dict[str, torch.Tensor]:
+    """A sample as SpecForge's offline dataset stores it."""
+    import numpy as np
+    import torch
+
+    def bf16(bits: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(bits.astype(np.int16, copy=True)).view(torch.bfloat16).unsqueeze(0)
+
+    return {
+        "input_ids": torch.from_numpy(rec.input_ids.astype(np.int64)),
+        "loss_mask": torch.from_numpy(rec.loss_mask.astype(np.int64)),
+        "hidden_state": bf16(rec.hidden_states),
+        "aux_hidden_state": bf16(rec.aux_hidden_states),
+    }
