@@ -1,0 +1,124 @@
+"""The SGLang release the hook targets, and the server command and environment of extraction mode.
+
+Pure: nothing here imports SGLang or torch, so the operator can build the sidecar's command line.
+Why each flag is there: docs/sglang.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from hsx_extractor.protocol import DUMP_DIR_ENV
+
+# The one SGLang release the hook is written against; any other version fails at start.
+SGLANG_VERSION = "0.5.23"
+# The official image of that release (Docker Hub); the `sglang` image target builds FROM it.
+SGLANG_BASE_IMAGE = f"lmsysorg/sglang:v{SGLANG_VERSION}"
+
+# What the hook patches: module, class and method, by name.
+TARGET_MODULE = "sglang.srt.managers.scheduler_components.batch_result_processor"
+TARGET_CLASS = "SchedulerBatchResultProcessor"
+TARGET_METHOD = "_append_prefill_hidden_states"
+# The method's keyword-only parameters the hook relies on, in declaration order.
+TARGET_KWONLY = (
+    "req",
+    "logits_output",
+    "hidden_state_offset",
+    "capture_hidden_mode",
+    "extend_input_len",
+    "store",
+)
+
+# Flags the operator must not let users override: extraction is wrong or impossible without them.
+_OWNED_FLAGS = frozenset(
+    {
+        "--model-path",
+        "--tp-size",
+        "--tp",
+        "--port",
+        "--host",
+        "--enable-return-aux-hidden-states",
+        "--speculative-algorithm",
+        "--return-aux-hidden-state-layer-ids",
+        "--disable-radix-cache",
+        "--speculative-draft-model-path",
+        "--pp-size",
+    }
+)
+
+
+def server_args(
+    model_path: str,
+    tp: int,
+    port: int,
+    layer_ids: Sequence[int] | None = None,
+    extra_args: Sequence[str] = (),
+    *,
+    host: str = "127.0.0.1",
+    chunked_prefill_size: int = -1,
+    context_length: int | None = None,
+) -> list[str]:
+    """The argv that starts SGLang in extraction mode.
+
+    ``layer_ids`` are SGLang's ``--return-aux-hidden-state-layer-ids`` (see hsx_extractor.layers for
+    which layers they capture); None keeps EAGLE-3's default layers. ``extra_args`` are appended
+    verbatim (quantization, memory fraction, ...) but may not override the flags extraction needs.
+    Raises ValueError on bad input.
+    """
+    if not model_path:
+        raise ValueError("model_path is empty")
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} is not a TCP port")
+    if chunked_prefill_size == 0 or chunked_prefill_size < -1:
+        raise ValueError("chunked_prefill_size must be -1 (no chunking) or positive")
+    extra = [str(a) for a in extra_args]
+    clashes = sorted({a.split("=", 1)[0] for a in extra} & _OWNED_FLAGS)
+    if clashes:
+        raise ValueError(f"extra_args may not set {', '.join(clashes)}: extraction mode sets them")
+    argv = [
+        "python3",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--tp-size",
+        str(tp),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--enable-return-aux-hidden-states",
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--disable-radix-cache",
+        "--chunked-prefill-size",
+        str(chunked_prefill_size),
+    ]
+    if layer_ids:
+        ids = [int(i) for i in layer_ids]
+        if min(ids) < 0 or len(set(ids)) != len(ids):
+            raise ValueError(f"layer_ids {ids} must be distinct and non-negative")
+        argv += ["--return-aux-hidden-state-layer-ids", *map(str, ids)]
+    if context_length is not None:
+        if context_length < 1:
+            raise ValueError(f"context_length must be >= 1, got {context_length}")
+        argv += ["--context-length", str(context_length)]
+    return argv + extra
+
+
+def server_env(dump_dir: str, *, context_length: int | None = None) -> dict[str, str]:
+    """Environment variables the server container needs in extraction mode."""
+    if not dump_dir:
+        raise ValueError("dump_dir is empty")
+    env = {DUMP_DIR_ENV: dump_dir}
+    if context_length is not None:
+        # SGLang refuses a --context-length above the model config's unless this is set.
+        env["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
+    return env
+
+
+def is_extraction_env(environ: Mapping[str, str]) -> bool:
+    """Whether the hook switches on in a process with this environment."""
+    return bool(environ.get(DUMP_DIR_ENV))
