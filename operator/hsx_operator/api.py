@@ -175,11 +175,12 @@ class ServerSpec(_Spec):
                     "server.gpus must be a multiple of server.tensorParallel (the rest is data parallel)",
                 ),
                 cel(
-                    "!('nvidia.com/gpu' in self.resources.requests) && !('nvidia.com/gpu' in self.resources.limits)",
+                    "!has(self.resources) || (!('nvidia.com/gpu' in self.resources.?requests.orValue({})) && "
+                    "!('nvidia.com/gpu' in self.resources.?limits.orValue({})))",
                     "set server.gpus instead of nvidia.com/gpu in server.resources",
                 ),
                 cel(
-                    "self.env.all(e, e.name != 'SGLANG_HS_DUMP_DIR')",
+                    "!has(self.env) || self.env.all(e, e.name != 'SGLANG_HS_DUMP_DIR')",
                     "SGLANG_HS_DUMP_DIR is set by the operator and cannot be overridden in server.env",
                 ),
             ]
@@ -307,6 +308,8 @@ class SchedulingSpec(_Spec):
     )
 
 
+# Fields that are always present (required or defaulted) compare directly; optional scalars through
+# CEL optionals (the API server prices optional *objects* as unbounded).
 _LOCKED_FIELDS = (
     "model",
     "server",
@@ -317,15 +320,16 @@ _LOCKED_FIELDS = (
     "concurrency",
     "parallelism",
     "backoffLimit",
-    "activeDeadlineSeconds",
-    "startupDeadlineSeconds",
-    "ttlSecondsAfterFinished",
     "scheduling",
 )
+_LOCKED_OPTIONAL = ("activeDeadlineSeconds", "startupDeadlineSeconds", "ttlSecondsAfterFinished")
 # A run's spec is fixed while its runId stays: change runId to run again with other settings.
 _LOCK_RULE = (
     "self.runId != oldSelf.runId || ("
-    + " && ".join(f"self.?{f} == oldSelf.?{f}" for f in _LOCKED_FIELDS)
+    + " && ".join(
+        [f"self.{f} == oldSelf.{f}" for f in _LOCKED_FIELDS]
+        + [f"self.?{f} == oldSelf.?{f}" for f in _LOCKED_OPTIONAL]
+    )
     + ")"
 )
 

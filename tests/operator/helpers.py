@@ -12,7 +12,11 @@ def spec_dict(**overrides: Any) -> dict[str, Any]:
         "runId": "r1",
         "model": {"path": "/models/tiny", "source": {"hostPath": {"path": "/srv/models"}}},
         "dataset": {"uri": "s3://data/chat.jsonl"},
-        "output": {"uri": "s3://out/hs", "credentialsSecret": "s3-creds", "endpoint": "http://127.0.0.1:8333"},
+        "output": {
+            "uri": "s3://out/hs",
+            "credentialsSecret": "s3-creds",
+            "endpoint": "http://127.0.0.1:8333",
+        },
     }
     base.update(overrides)
     return base
@@ -54,7 +58,12 @@ def pod_json(
     conditions: list[dict[str, Any]] = []
     if unschedulable_message is not None:
         conditions.append(
-            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": unschedulable_message}
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": unschedulable_message,
+            }
         )
     elif scheduled:
         conditions.append({"type": "PodScheduled", "status": "True"})

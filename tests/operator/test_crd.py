@@ -29,7 +29,9 @@ def _crd_schema() -> dict[str, Any]:
 
 
 def test_checked_in_crds_match_the_models() -> None:
-    assert crdgen.main(["--check", str(ROOT / "crds")]) == 0, "crds/ drifted from hsx_operator.api: run `make crds`"
+    assert crdgen.main(["--check", str(ROOT / "crds")]) == 0, (
+        "crds/ drifted from hsx_operator.api: run `make crds`"
+    )
 
 
 def test_check_detects_drift(tmp_path: Path) -> None:
@@ -41,7 +43,12 @@ def test_check_detects_drift(tmp_path: Path) -> None:
 
 def test_every_spec_and_status_field_is_documented() -> None:
     root = _crd_schema()
-    missing = [p for p, node in _walk(root["properties"]["spec"], "spec") + _walk(root["properties"]["status"], "status") if not p.endswith("[]") and not node.get("description")]
+    missing = [
+        p
+        for p, node in _walk(root["properties"]["spec"], "spec")
+        + _walk(root["properties"]["status"], "status")
+        if not p.endswith("[]") and not node.get("description")
+    ]
     assert missing == []
 
 
@@ -69,7 +76,14 @@ def test_schema_is_structural() -> None:
 def test_defaults_match_the_models(path: str, default: Any) -> None:
     nodes = dict(_walk(_crd_schema()["properties"]["spec"], "spec"))
     assert nodes[path]["default"] == default
-    model = ExtractionJobSpec.model_validate({"runId": "r", "model": {"path": "/m"}, "dataset": {"uri": "d", "tokenizer": "/t"}, "output": {"uri": "o"}})
+    model = ExtractionJobSpec.model_validate(
+        {
+            "runId": "r",
+            "model": {"path": "/m"},
+            "dataset": {"uri": "d", "tokenizer": "/t"},
+            "output": {"uri": "o"},
+        }
+    )
     value: Any = model.model_dump()
     for part in path.split(".")[1:]:
         value = value[part]

@@ -34,7 +34,9 @@ def test_job_name_is_deterministic_and_fits_a_label() -> None:
 
 
 def test_job_is_owned_labelled_and_indexed() -> None:
-    job = desired_job(OWNER, make_spec(parallelism=2, backoffLimit=5, activeDeadlineSeconds=600, ttlSecondsAfterFinished=30))
+    job = desired_job(
+        OWNER, make_spec(parallelism=2, backoffLimit=5, activeDeadlineSeconds=600, ttlSecondsAfterFinished=30)
+    )
     ref = job["metadata"]["ownerReferences"][0]
     assert (ref["kind"], ref["uid"], ref["controller"]) == ("ExtractionJob", "uid-1", True)
     assert job["metadata"]["labels"]["hsx.dev/run-id"] == "r1"
@@ -48,7 +50,11 @@ def test_job_is_owned_labelled_and_indexed() -> None:
 def test_pod_failure_policy_fails_fast_on_permanent_exit_and_ignores_disruptions() -> None:
     rules = desired_job(OWNER, make_spec())["spec"]["podFailurePolicy"]["rules"]
     fail = [r for r in rules if r["action"] == "FailJob"]
-    assert fail[0]["onExitCodes"] == {"containerName": "extractor", "operator": "In", "values": [EXIT_PERMANENT]}
+    assert fail[0]["onExitCodes"] == {
+        "containerName": "extractor",
+        "operator": "In",
+        "values": [EXIT_PERMANENT],
+    }
     ignore = [r for r in rules if r["action"] == "Ignore"]
     assert ignore[0]["onPodConditions"][0]["type"] == "DisruptionTarget"
 
@@ -82,7 +88,11 @@ def test_shared_memory_volume_is_sized_from_the_spec_and_mounted_in_both() -> No
 def test_credentials_come_from_the_secret_by_reference_only() -> None:
     extractor = _pod(desired_job(OWNER, make_spec()))["containers"][0]
     env = {e["name"]: e for e in extractor["env"]}
-    assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": "s3-creds", "key": "AWS_ACCESS_KEY_ID", "optional": False}
+    assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {
+        "name": "s3-creds",
+        "key": "AWS_ACCESS_KEY_ID",
+        "optional": False,
+    }
     assert env["AWS_SESSION_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
     assert all("value" not in e for e in env.values())
 
@@ -102,23 +112,43 @@ def test_config_map_holds_a_valid_extractor_config() -> None:
 
 
 def test_server_argv_turns_capture_on_and_prefix_caching_off() -> None:
-    argv = server_argv(make_spec(model={"path": "/m", "auxLayerIds": [1, 15, 28]}, dataset={"uri": "/d/x.jsonl", "tokenizer": "/t"}))
+    argv = server_argv(
+        make_spec(
+            model={"path": "/m", "auxLayerIds": [1, 15, 28]}, dataset={"uri": "/d/x.jsonl", "tokenizer": "/t"}
+        )
+    )
     joined = " ".join(argv)
     assert "--model-path /m" in joined and "--tp 8" in joined
     assert "--enable-return-aux-hidden-states" in argv and "--speculative-algorithm EAGLE3" in joined
     assert "--return-aux-hidden-state-layer-ids 1 15 28" in joined
     assert "--disable-radix-cache" in argv and "--chunked-prefill-size -1" in joined
-    dp = server_argv(make_spec(server={"gpus": 8, "tensorParallel": 4, "extraArgs": ["--mem-fraction-static", "0.8"]}))
+    dp = server_argv(
+        make_spec(server={"gpus": 8, "tensorParallel": 4, "extraArgs": ["--mem-fraction-static", "0.8"]})
+    )
     assert " ".join(dp).count("--dp 2") == 1 and dp[-2:] == ["--mem-fraction-static", "0.8"]
 
 
 def test_model_sources_become_read_only_volumes() -> None:
-    pvc = _pod(desired_job(OWNER, make_spec(model={"path": "/models/llama", "source": {"pvc": {"claimName": "weights", "subPath": "llama"}}})))
+    pvc = _pod(
+        desired_job(
+            OWNER,
+            make_spec(
+                model={
+                    "path": "/models/llama",
+                    "source": {"pvc": {"claimName": "weights", "subPath": "llama"}},
+                }
+            ),
+        )
+    )
     vol = next(v for v in pvc["volumes"] if v["name"] == "model")
     assert vol["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
     mount = next(m for m in pvc["containers"][0]["volumeMounts"] if m["name"] == "model")
     assert mount == {"name": "model", "mountPath": "/models", "readOnly": True, "subPath": "llama"}
-    image = _pod(desired_job(OWNER, make_spec(model={"path": "/models/x", "source": {"image": {"reference": "reg/m:1"}}})))
+    image = _pod(
+        desired_job(
+            OWNER, make_spec(model={"path": "/models/x", "source": {"image": {"reference": "reg/m:1"}}})
+        )
+    )
     assert next(v for v in image["volumes"] if v["name"] == "model")["image"]["reference"] == "reg/m:1"
 
 
@@ -154,4 +184,7 @@ def test_scheduling_and_queue() -> None:
 
 def test_desired_job_is_a_pure_function_of_the_spec() -> None:
     assert desired_job(OWNER, make_spec()) == desired_job(OWNER, make_spec())
-    assert desired_job(OWNER, make_spec())["metadata"]["name"] != desired_job(OWNER, make_spec(runId="r2"))["metadata"]["name"]
+    assert (
+        desired_job(OWNER, make_spec())["metadata"]["name"]
+        != desired_job(OWNER, make_spec(runId="r2"))["metadata"]["name"]
+    )

@@ -53,13 +53,15 @@ def test_new_run_without_job_is_pending_and_needs_its_job() -> None:
     assert (st.phase, st.observedRunId, st.jobName) == ("Pending", "r1", "xj-r1")
     assert st.output.prefix == "s3://out/hs/r1/" and st.output.manifestUri == "s3://out/hs/r1/manifest.json"
     assert needs_job(st, None)
-    assert [e.reason for e in out.events][0] == "RunStarted"
+    assert out.events[0].reason == "RunStarted"
     assert cond(st, "Reconciling") == "True" and cond(st, "Succeeded") == "False"
 
 
 def test_unschedulable_pod_says_the_schedulers_message() -> None:
     msg = "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."
-    st = run(job=job_json(), pods=[pod_json(phase="Pending", scheduled=False, unschedulable_message=msg)]).status
+    st = run(
+        job=job_json(), pods=[pod_json(phase="Pending", scheduled=False, unschedulable_message=msg)]
+    ).status
     assert (st.phase, st.reason) == ("Pending", "Unschedulable")
     assert msg in st.message
     assert cond(st, "Stalled") == "True"
@@ -73,15 +75,26 @@ def test_failed_scheduling_event_is_used_when_the_pod_has_no_condition_yet() -> 
 
 
 def test_image_pull_backoff_is_the_reason() -> None:
-    server = {"started": False, "ready": False, "state": {"waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "x"'}}}
-    st = run(job=job_json(), pods=[pod_json(phase="Pending", server=server, extractor=EXTRACTOR_WAITING)]).status
+    server = {
+        "started": False,
+        "ready": False,
+        "state": {"waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "x"'}},
+    }
+    st = run(
+        job=job_json(), pods=[pod_json(phase="Pending", server=server, extractor=EXTRACTOR_WAITING)]
+    ).status
     assert (st.phase, st.reason) == ("Pending", "ImagePullBackOff")
     assert "sglang" in st.message and "Back-off" in st.message
     assert cond(st, "Stalled") == "True"
 
 
 def test_server_crash_loop_is_named() -> None:
-    server = {"started": False, "ready": False, "restartCount": 4, "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}}}
+    server = {
+        "started": False,
+        "ready": False,
+        "restartCount": 4,
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+    }
     st = run(job=job_json(), pods=[pod_json(server=server, extractor=EXTRACTOR_WAITING)]).status
     assert (st.phase, st.reason) == ("Starting", "ServerCrashLooping")
     assert "4 times" in st.message
@@ -91,7 +104,9 @@ def test_loading_server_is_starting_then_running_when_ready() -> None:
     starting = run(job=job_json(), pods=[pod_json(server=SERVER_LOADING, extractor=EXTRACTOR_WAITING)]).status
     assert (starting.phase, starting.reason) == ("Starting", "ServerStarting")
     assert cond(starting, "ServerReady") == "False"
-    running = run(prior=starting, job=job_json(), pods=[pod_json(server=SERVER_READY, extractor=EXTRACTOR_RUNNING)]).status
+    running = run(
+        prior=starting, job=job_json(), pods=[pod_json(server=SERVER_READY, extractor=EXTRACTOR_RUNNING)]
+    ).status
     assert running.phase == "Running" and running.serverReadyTime == "2026-12-02T10:05:00Z"
     assert cond(running, "ServerReady") == "True" and cond(running, "Reconciling") == "True"
 
@@ -100,8 +115,23 @@ def test_progress_of_two_replicas_is_summed_and_kept_after_one_ends() -> None:
     p0 = pod_json("xj-r1-0-a", index=0, server=SERVER_READY, extractor=EXTRACTOR_RUNNING)
     p1 = pod_json("xj-r1-1-b", index=1, server=SERVER_READY, extractor=EXTRACTOR_RUNNING)
     reports = {
-        "xj-r1-0-a": {"samplesTotal": 50, "samplesDone": 20, "samplesQuarantined": 5, "tokensDone": 2000, "tokensPerSecond": 100.0, "etaSeconds": 30, "state": "running"},
-        "xj-r1-1-b": {"samplesTotal": 50, "samplesDone": 25, "tokensDone": 2500, "tokensPerSecond": 150.0, "etaSeconds": 90, "state": "running"},
+        "xj-r1-0-a": {
+            "samplesTotal": 50,
+            "samplesDone": 20,
+            "samplesQuarantined": 5,
+            "tokensDone": 2000,
+            "tokensPerSecond": 100.0,
+            "etaSeconds": 30,
+            "state": "running",
+        },
+        "xj-r1-1-b": {
+            "samplesTotal": 50,
+            "samplesDone": 25,
+            "tokensDone": 2500,
+            "tokensPerSecond": 150.0,
+            "etaSeconds": 90,
+            "state": "running",
+        },
     }
     st = run(job=job_json(), pods=[p0, p1], progress=reports).status
     p = st.progress
@@ -110,17 +140,35 @@ def test_progress_of_two_replicas_is_summed_and_kept_after_one_ends() -> None:
     assert [r.index for r in st.replicas] == [0, 1]
     # Replica 0 finished (its pod is gone from the poll); its numbers stay in the sum.
     p0_done = pod_json("xj-r1-0-a", index=0, phase="Succeeded")
-    later = run(prior=st, job=job_json(), pods=[p0_done, p1], progress={"xj-r1-1-b": {**reports["xj-r1-1-b"], "samplesDone": 40}}).status
+    later = run(
+        prior=st,
+        job=job_json(),
+        pods=[p0_done, p1],
+        progress={"xj-r1-1-b": {**reports["xj-r1-1-b"], "samplesDone": 40}},
+    ).status
     assert later.progress.samplesDone == 60
 
 
 def test_final_progress_is_read_from_the_termination_message() -> None:
-    term = {"state": {"terminated": {"exitCode": 0, "message": '{"samplesTotal": 10, "samplesDone": 10, "state": "succeeded"}'}}}
-    done = job_json(conditions=[{"type": "Complete", "status": "True"}], completion_time="2026-12-02T10:04:00Z")
+    term = {
+        "state": {
+            "terminated": {
+                "exitCode": 0,
+                "message": '{"samplesTotal": 10, "samplesDone": 10, "state": "succeeded"}',
+            }
+        }
+    }
+    done = job_json(
+        conditions=[{"type": "Complete", "status": "True"}], completion_time="2026-12-02T10:04:00Z"
+    )
     st = run(job=done, pods=[pod_json(phase="Succeeded", extractor=term)]).status
     assert st.phase == "Succeeded" and st.completionTime == "2026-12-02T10:04:00Z"
     assert st.progress.samplesDone == 10 and st.progress.percent == 100
-    assert cond(st, "Succeeded") == "True" and cond(st, "Reconciling") == "False" and cond(st, "Stalled") == "False"
+    assert (
+        cond(st, "Succeeded") == "True"
+        and cond(st, "Reconciling") == "False"
+        and cond(st, "Stalled") == "False"
+    )
 
 
 def test_terminal_run_is_sticky_even_when_its_job_is_gone() -> None:
@@ -141,7 +189,16 @@ def test_job_lost_mid_run_fails_the_run_instead_of_restarting_it() -> None:
 
 def test_permanent_failure_is_reported_with_the_exit() -> None:
     term = {"state": {"terminated": {"exitCode": 3, "message": "tokenizer fingerprint mismatch"}}}
-    failed = job_json(conditions=[{"type": "Failed", "status": "True", "reason": "PodFailurePolicy", "message": "Container extractor ... exit code 3"}])
+    failed = job_json(
+        conditions=[
+            {
+                "type": "Failed",
+                "status": "True",
+                "reason": "PodFailurePolicy",
+                "message": "Container extractor ... exit code 3",
+            }
+        ]
+    )
     st = run(job=failed, pods=[pod_json(phase="Failed", extractor=term)]).status
     assert (st.phase, st.reason) == ("Failed", "PermanentFailure")
     assert "exited 3 (permanent failure)" in st.message and "fingerprint" in st.message
@@ -158,17 +215,32 @@ def test_startup_deadline_stops_the_run() -> None:
     pods = [pod_json(server=SERVER_LOADING, extractor=EXTRACTOR_WAITING)]
     early = run(spec=spec, job=job_json(), pods=pods, now=datetime(2026, 12, 2, 10, 0, 30, tzinfo=UTC))
     assert early.status.phase == "Starting" and not early.stop_job
-    late = run(spec=spec, prior=early.status, job=job_json(), pods=pods, now=datetime(2026, 12, 2, 10, 1, 30, tzinfo=UTC))
+    late = run(
+        spec=spec,
+        prior=early.status,
+        job=job_json(),
+        pods=pods,
+        now=datetime(2026, 12, 2, 10, 1, 30, tzinfo=UTC),
+    )
     assert late.stop_job and (late.status.phase, late.status.reason) == ("Failed", "StartupDeadlineExceeded")
     assert "ServerStarting" in late.status.message
     # The Job then fails with DeadlineExceeded; the recorded reason stays.
-    after = run(spec=spec, prior=late.status, job=job_json(conditions=[{"type": "Failed", "status": "True", "reason": "DeadlineExceeded"}]))
+    after = run(
+        spec=spec,
+        prior=late.status,
+        job=job_json(conditions=[{"type": "Failed", "status": "True", "reason": "DeadlineExceeded"}]),
+    )
     assert after.status.reason == "StartupDeadlineExceeded" and not after.stop_job
 
 
 def test_ready_servers_are_not_subject_to_the_startup_deadline() -> None:
     spec = make_spec(startupDeadlineSeconds=60)
-    out = run(spec=spec, job=job_json(), pods=[pod_json(server=SERVER_READY, extractor=EXTRACTOR_RUNNING)], now=NOW + timedelta(hours=2))
+    out = run(
+        spec=spec,
+        job=job_json(),
+        pods=[pod_json(server=SERVER_READY, extractor=EXTRACTOR_RUNNING)],
+        now=NOW + timedelta(hours=2),
+    )
     assert out.status.phase == "Running" and not out.stop_job
 
 
@@ -183,8 +255,15 @@ def test_run_id_change_starts_a_new_run_and_records_the_old_one() -> None:
     done = run(job=job_json(conditions=[{"type": "Complete", "status": "True"}])).status
     second = run(spec=make_spec(runId="r2"), prior=done, job=None, generation=2)
     st = second.status
-    assert (st.phase, st.observedRunId, st.jobName, st.output.prefix) == ("Pending", "r2", "xj-r2", "s3://out/hs/r2/")
-    assert [(h.runId, h.phase, h.outputPrefix) for h in st.history] == [("r1", "Succeeded", "s3://out/hs/r1/")]
+    assert (st.phase, st.observedRunId, st.jobName, st.output.prefix) == (
+        "Pending",
+        "r2",
+        "xj-r2",
+        "s3://out/hs/r2/",
+    )
+    assert [(h.runId, h.phase, h.outputPrefix) for h in st.history] == [
+        ("r1", "Succeeded", "s3://out/hs/r1/")
+    ]
     assert needs_job(st, None) and second.events[0].reason == "RunStarted"
     running = run(job=job_json(), pods=[pod_json(server=SERVER_READY, extractor=EXTRACTOR_RUNNING)]).status
     superseded = run(spec=make_spec(runId="r3"), prior=running).status

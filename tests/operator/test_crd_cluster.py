@@ -1,0 +1,231 @@
+"""The CRD on a real API server: invalid manifests are rejected with a useful message."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+import yaml
+
+from hsx_operator.api import ExtractionJobSpec
+
+pytestmark = pytest.mark.cluster
+
+VALID: dict[str, Any] = {
+    "apiVersion": "hsx.dev/v1alpha1",
+    "kind": "ExtractionJob",
+    "metadata": {"name": "xj"},
+    "spec": {
+        "runId": "r1",
+        "model": {"path": "/models/tiny", "source": {"hostPath": {"path": "/srv/models"}}},
+        "dataset": {"uri": "s3://data/chat.jsonl"},
+        "output": {"uri": "s3://out/hs"},
+    },
+}
+
+
+def _with(path: str, value: Any) -> dict[str, Any]:
+    """VALID with spec.<path> set (value DELETE removes it)."""
+    doc = copy.deepcopy(VALID)
+    node = doc["spec"]
+    *parents, leaf = path.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    if value is DELETE:
+        node.pop(leaf, None)
+    else:
+        node[leaf] = value
+    return doc
+
+
+DELETE = object()
+
+# (case id, manifest, fragment the API server's answer must contain)
+INVALID: list[tuple[str, dict[str, Any], str]] = [
+    ("no-runId", _with("runId", DELETE), "spec.runId: Required value"),
+    ("runId-uppercase", _with("runId", "Run1"), "spec.runId: Invalid value"),
+    ("runId-reserved", _with("runId", "manifest"), "runId 'manifest' is reserved"),
+    ("runId-too-long", _with("runId", "r" * 41), "spec.runId: Too long"),
+    ("no-model", _with("model", DELETE), "spec.model: Required value"),
+    ("model-path-relative", _with("model.path", "models/tiny"), "spec.model.path: Invalid value"),
+    (
+        "model-two-sources",
+        _with("model.source", {"hostPath": {"path": "/a"}, "pvc": {"claimName": "w"}}),
+        "exactly one of pvc, hostPath or image",
+    ),
+    ("model-empty-source", _with("model.source", {}), "exactly one of pvc, hostPath or image"),
+    (
+        "model-path-outside-mount",
+        _with("model.path", "/weights/tiny"),
+        "model.path must lie inside model.mountPath",
+    ),
+    (
+        "no-tokenizer-anywhere",
+        _with("model.source", DELETE),
+        "set model.source (mounted in both containers) or dataset.tokenizer",
+    ),
+    ("aux-layers-too-many", _with("model.auxLayerIds", list(range(9))), "spec.model.auxLayerIds: Too many"),
+    ("aux-layer-negative", _with("model.auxLayerIds", [-1, 2, 3]), "should be greater than or equal to 0"),
+    ("gpus-zero", _with("server.gpus", 0), "spec.server.gpus: Invalid value"),
+    ("gpus-too-many", _with("server.gpus", 17), "should be less than or equal to 16"),
+    (
+        "tp-not-dividing-gpus",
+        _with("server.tensorParallel", 3),
+        "server.gpus must be a multiple of server.tensorParallel",
+    ),
+    (
+        "gpu-in-resources",
+        _with("server.resources", {"limits": {"nvidia.com/gpu": "8"}}),
+        "set server.gpus instead",
+    ),
+    (
+        "dump-dir-env-override",
+        _with("server.env", [{"name": "SGLANG_HS_DUMP_DIR", "value": "/x"}]),
+        "SGLANG_HS_DUMP_DIR is set by the operator",
+    ),
+    (
+        "env-bad-name",
+        _with("server.env", [{"name": "1BAD", "value": "x"}]),
+        "spec.server.env[0].name: Invalid value",
+    ),
+    ("shm-not-a-quantity", _with("server.shmSize", "lots"), "spec.server.shmSize: Invalid value"),
+    (
+        "startup-timeout-too-short",
+        _with("server.startupTimeoutSeconds", 5),
+        "should be greater than or equal to 10",
+    ),
+    ("pull-policy-unknown", _with("server.imagePullPolicy", "Sometimes"), 'Unsupported value: "Sometimes"'),
+    ("dataset-format-unknown", _with("dataset.format", "csv"), 'Unsupported value: "csv"'),
+    ("dataset-uri-empty", _with("dataset.uri", ""), "spec.dataset.uri: Invalid value"),
+    ("max-length-zero", _with("dataset.maxLength", 0), "spec.dataset.maxLength: Invalid value"),
+    (
+        "fingerprint-not-hex",
+        _with("dataset.expectedTokenizerFingerprint", "XYZ"),
+        "spec.dataset.expectedTokenizerFingerprint: Invalid value",
+    ),
+    ("compression-unknown", _with("output.compression", "gzip"), 'Unsupported value: "gzip"'),
+    (
+        "shard-too-small",
+        _with("output.shardTargetBytes", 1000),
+        "spec.output.shardTargetBytes: Invalid value",
+    ),
+    ("on-mismatch-unknown", _with("validation.onMismatch", "ignore"), 'Unsupported value: "ignore"'),
+    (
+        "mismatch-rate-above-one",
+        _with("validation.maxMismatchRate", 1.5),
+        "spec.validation.maxMismatchRate: Invalid value",
+    ),
+    ("concurrency-zero", _with("concurrency", 0), "spec.concurrency: Invalid value"),
+    ("parallelism-too-high", _with("parallelism", 65), "spec.parallelism: Invalid value"),
+    ("backoff-negative", _with("backoffLimit", -1), "spec.backoffLimit: Invalid value"),
+    (
+        "startup-deadline-after-active",
+        {
+            **_with("startupDeadlineSeconds", 600),
+            "spec": {**_with("startupDeadlineSeconds", 600)["spec"], "activeDeadlineSeconds": 300},
+        },
+        "startupDeadlineSeconds must be shorter than activeDeadlineSeconds",
+    ),
+    ("suspend-not-bool", _with("suspend", "yes"), "spec.suspend: Invalid value"),
+    (
+        "queue-name-not-a-label",
+        _with("scheduling.queueName", "team a!"),
+        "spec.scheduling.queueName: Invalid value",
+    ),
+    (
+        "toleration-operator-unknown",
+        _with("scheduling.tolerations", [{"key": "k", "operator": "Maybe"}]),
+        'Unsupported value: "Maybe"',
+    ),
+    ("unknown-field-typo", _with("outptu", {"uri": "x"}), 'unknown field "spec.outptu"'),
+    ("no-spec", {k: v for k, v in VALID.items() if k != "spec"}, "spec: Required value"),
+]
+
+
+@pytest.mark.parametrize("case, manifest, fragment", INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_manifest_is_rejected(
+    xj_crd: Any, namespace: str, case: str, manifest: dict[str, Any], fragment: str
+) -> None:
+    result = xj_crd.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(manifest), check=False)
+    assert result.returncode != 0, f"{case} was accepted"
+    assert fragment in result.stderr, result.stderr
+    assert xj_crd.kubectl("get", "xj", "-n", namespace, "-o", "name").stdout.strip() == ""
+
+
+def test_there_are_at_least_twenty_kinds() -> None:
+    assert len({c[0] for c in INVALID}) >= 20
+
+
+def test_valid_manifest_gets_the_models_defaults(xj_crd: Any, namespace: str) -> None:
+    xj_crd.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(VALID))
+    stored = json.loads(xj_crd.kubectl("get", "xj", "xj", "-n", namespace, "-o", "json").stdout)["spec"]
+    expected = ExtractionJobSpec.model_validate(VALID["spec"]).model_dump(mode="json", exclude_none=True)
+    assert ExtractionJobSpec.model_validate(stored).model_dump(mode="json", exclude_none=True) == expected
+    # Every default the models fill in (other than empty lists and maps) was filled in by the API server too.
+    assert _numbers_as_floats(stored) == _numbers_as_floats(_without_empty(expected))
+
+
+def _without_empty(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {
+            k: _without_empty(v)
+            for k, v in node.items()
+            if v not in ({}, []) or k in ("resources", "scheduling")
+        }
+    return node
+
+
+def _numbers_as_floats(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _numbers_as_floats(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_numbers_as_floats(v) for v in node]
+    if isinstance(node, int | float) and not isinstance(node, bool):
+        return float(node)
+    return node
+
+
+def test_spec_is_locked_while_runid_stays(xj_crd: Any, namespace: str) -> None:
+    xj_crd.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(VALID))
+    changed = xj_crd.kubectl(
+        "patch", "xj", "xj", "-n", namespace, "--type=merge", "-p", '{"spec":{"concurrency":5}}', check=False
+    )
+    assert changed.returncode != 0
+    assert "only runId and suspend may change; to run with other settings, change runId too" in changed.stderr
+    window = xj_crd.kubectl(
+        "patch",
+        "xj",
+        "xj",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec":{"activeDeadlineSeconds":60}}',
+        check=False,
+    )
+    assert window.returncode != 0 and "change runId too" in window.stderr
+    xj_crd.kubectl("patch", "xj", "xj", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    xj_crd.kubectl(
+        "patch", "xj", "xj", "-n", namespace, "--type=merge", "-p", '{"spec":{"runId":"r2","concurrency":5}}'
+    )
+    spec = json.loads(xj_crd.kubectl("get", "xj", "xj", "-n", namespace, "-o", "json").stdout)["spec"]
+    assert (spec["runId"], spec["concurrency"], spec["suspend"]) == ("r2", 5, True)
+
+
+def test_explain_reads_well(xj_crd: Any) -> None:
+    out = xj_crd.kubectl("explain", "extractionjob.spec.output").stdout
+    assert "Where shards go and how they are stored." in out
+    assert "credentialsSecret" in out and "it never reads it" in out
+    assert "enum: none, bf16-zstd" in out
+    short = xj_crd.kubectl("explain", "xj.spec.server.gpus").stdout
+    assert "nvidia.com/gpu limit" in short
+
+
+def test_printer_columns_on_the_server(xj_crd: Any, namespace: str) -> None:
+    xj_crd.kubectl("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(VALID))
+    narrow = xj_crd.kubectl("get", "xj", "-n", namespace).stdout.splitlines()[0].split()
+    assert narrow == ["NAME", "PHASE", "PROGRESS", "SAMPLES", "TOK/S", "ETA", "AGE"]
+    wide = xj_crd.kubectl("get", "xj", "-n", namespace, "-o", "wide").stdout.splitlines()
+    assert wide[0].split()[-3:] == ["RUN", "ATTEMPT", "REASON"] and "r1" in wide[1]
