@@ -13,7 +13,7 @@ output). The final state is ``hidden_states[-1]``, which HF returns after the fi
 Test hooks (clearly not part of the SGLang API): ``--fault`` makes the server misbehave on
 purpose, ``--delay-ms`` slows each request, ``GET /hsx_test/stats`` reports requests in flight
 as the server saw them, and with ``--enable-test-hooks`` ``POST /hsx_test/fault`` changes the
-fault at runtime.
+fault and delay at runtime (and resets the stats).
 """
 
 from __future__ import annotations
@@ -196,10 +196,11 @@ class ReferenceServer:
         body = await request.json()
         try:
             self.fault = FaultPlan(body.get("kind"), int(body.get("every", 1)), bool(body.get("firstAttemptOnly")))
+            self.delay_s = float(body.get("delayMs", 0)) / 1000.0
         except (ValueError, TypeError) as exc:
             return _error(400, str(exc))
         self.stats = Stats()
-        return web.json_response({"kind": self.fault.kind, "every": self.fault.every})
+        return web.json_response({"kind": self.fault.kind, "every": self.fault.every, "delayS": self.delay_s})
 
     async def generate(self, request: web.Request) -> web.Response:
         try:
