@@ -1,0 +1,192 @@
+"""A fault-injecting HTTP/1.1 proxy in front of a real S3 server (127.0.0.1 only).
+
+Requests are forwarded byte for byte (so SigV4 signatures stay valid), one fresh upstream
+connection per request. A seeded fraction of requests instead gets one fault:
+
+* ``error``        - a 503 SlowDown answer, the upstream never sees the request;
+* ``reset_before`` - the connection is reset before forwarding;
+* ``reset_after``  - forwarded and executed upstream, then the connection is reset: the client
+  never learns that its request succeeded (the case exactly-once has to survive);
+* ``slow``         - forwarded after a delay.
+
+``slow_matching`` delays every request whose target contains that text (to widen a window).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+FAULTS = ("error", "reset_before", "reset_after", "slow")
+_SLOWDOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Injected by the test fault proxy</Message></Error>"
+)
+
+
+@dataclass
+class FaultPlan:
+    """What the proxy does to traffic."""
+
+    seed: int
+    rate: float = 0.1  # fraction of requests that get a fault
+    faults: tuple[str, ...] = FAULTS
+    slow_seconds: float = 0.3
+    slow_matching: str | None = None
+
+
+async def _read_head(reader: asyncio.StreamReader) -> bytes | None:
+    try:
+        return await reader.readuntil(b"\r\n\r\n")
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+
+
+def _headers(head: bytes) -> tuple[str, dict[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")
+    fields = {}
+    for line in lines[1:]:
+        if ":" in line:
+            name, value = line.split(":", 1)
+            fields[name.strip().lower()] = value.strip()
+    return lines[0], fields
+
+
+async def _read_body(reader: asyncio.StreamReader, fields: dict[str, str], until_eof: bool) -> bytes:
+    if "chunked" in fields.get("transfer-encoding", "").lower():
+        raw = bytearray()
+        while True:
+            line = await reader.readuntil(b"\r\n")
+            raw += line
+            size = int(line.split(b";")[0].strip(), 16)
+            if size == 0:
+                while (trailer := await reader.readuntil(b"\r\n")) != b"\r\n":
+                    raw += trailer
+                raw += b"\r\n"
+                return bytes(raw)
+            raw += await reader.readexactly(size + 2)
+    if "content-length" in fields:
+        return await reader.readexactly(int(fields["content-length"]))
+    return await reader.read() if until_eof else b""
+
+
+class FaultProxy:
+    """Run with ``with FaultProxy(upstream, plan) as proxy: ... proxy.endpoint ...``."""
+
+    def __init__(self, upstream: str, plan: FaultPlan):
+        parts = urlsplit(upstream)
+        self._up_host, self._up_port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.plan = plan
+        self.counts: Counter[str] = Counter()
+        self._random = random.Random(plan.seed)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.endpoint = ""
+
+    def _pick(self, target: str) -> str | None:
+        self.counts["requests"] += 1
+        if self._random.random() >= self.plan.rate:
+            return "slow" if self.plan.slow_matching and self.plan.slow_matching in target else None
+        fault = self._random.choice(self.plan.faults)
+        self.counts[fault] += 1
+        return fault
+
+    async def _exchange(self, request: bytes, method: str) -> bytes:
+        reader, writer = await asyncio.open_connection(self._up_host, self._up_port)
+        try:
+            writer.write(request)
+            await writer.drain()
+            while True:
+                head = await _read_head(reader)
+                if head is None:
+                    raise ConnectionResetError("upstream closed without a response")
+                status_line, fields = _headers(head)
+                status = int(status_line.split()[1])
+                if 100 <= status < 200:
+                    continue  # interim answer (100 Continue): the client already got ours
+                no_body = method == "HEAD" or status in (204, 304)
+                body = b"" if no_body else await _read_body(reader, fields, until_eof=True)
+                return head + body
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        try:
+            while (head := await _read_head(reader)) is not None:
+                request_line, fields = _headers(head)
+                method, target = request_line.split()[0], request_line.split()[1]
+                if fields.get("expect", "").lower() == "100-continue":
+                    writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    await writer.drain()
+                body = await _read_body(reader, fields, until_eof=False)
+                fault = self._pick(target)
+                if fault == "error":
+                    writer.write(
+                        b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
+                        + f"Content-Length: {len(_SLOWDOWN)}\r\n\r\n".encode()
+                        + _SLOWDOWN
+                    )
+                    await writer.drain()
+                    continue
+                if fault == "reset_before":
+                    writer.transport.abort()
+                    return
+                if fault == "slow":
+                    await asyncio.sleep(self.plan.slow_seconds)
+                response = await self._exchange(head + body, method)
+                if fault == "reset_after":
+                    writer.transport.abort()
+                    return
+                writer.write(response)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError, IndexError):
+            writer.transport.abort()
+        except asyncio.CancelledError:  # proxy shutting down: end quietly
+            writer.transport.abort()
+        finally:
+            with contextlib.suppress(RuntimeError):
+                writer.close()
+
+    def __enter__(self) -> FaultProxy:
+        self._thread.start()
+        self._server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._serve, "127.0.0.1", 0), self._loop
+        ).result(timeout=10)
+        port = self._server.sockets[0].getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        async def shutdown() -> None:
+            if self._server is not None:
+                self._server.close()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+@contextlib.contextmanager
+def fault_proxy(upstream: str, plan: FaultPlan) -> Iterator[FaultProxy]:
+    with FaultProxy(upstream, plan) as proxy:
+        yield proxy

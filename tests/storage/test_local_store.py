@@ -1,0 +1,179 @@
+"""The store on a local directory: commit protocol, resume, finalize, verify, reader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hsx_extractor.config import OutputSpec
+from hsx_extractor.reader import HiddenStatesDataset
+from hsx_extractor.shards import QuarantineEntry
+from hsx_extractor.store import PermanentStoreError, ShardConflictError, open_store, open_uri_lines
+from hsx_extractor.verify import run_verify
+from tests.storage.samples import plan_for, record, seq_len_of, write_run
+
+
+def _store(root: Path, compression: str = "bf16-zstd"):  # type: ignore[no-untyped-def]
+    return open_store(OutputSpec.model_validate({"uri": str(root), "compression": compression}), "run-1")
+
+
+@pytest.mark.parametrize("compression", ["none", "bf16-zstd"])
+def test_full_run_round_trips_and_verifies(tmp_path: Path, compression: str) -> None:
+    store = _store(tmp_path, compression)
+    plan = plan_for(23, 5)
+    commits = write_run(store, plan, quarantine=frozenset({3, 17}))
+    assert store.committed_shards() == {0, 1, 2, 3, 4}
+    assert sum(c.samples for c in commits) == 21 and sum(c.quarantined for c in commits) == 2
+    manifest = store.finalize({"model": "tiny", "captureLayers": [2, 4, 5], "tokenizerFingerprint": "ab" * 8})
+    assert manifest is not None
+    assert manifest["samples"] == 21 and manifest["quarantined"] == 2
+    assert [q["index"] for q in manifest["quarantine"]] == [3, 17]
+    assert manifest["run"]["captureLayers"] == [2, 4, 5]
+    if compression == "bf16-zstd":
+        assert manifest["compression"]["ratio"] > 1.0
+    report = run_verify(str(tmp_path / "run-1"))
+    assert report.ok, report.summary_text()
+    assert (report.samples, report.samples_checked, report.quarantined, report.duplicates) == (21, 21, 2, 0)
+    assert report.manifest
+
+    dataset = HiddenStatesDataset(str(tmp_path / "run-1"))
+    assert len(dataset) == 21
+    positions = [dataset.dataset_index(p) for p in range(len(dataset))]
+    assert positions == [i for i in range(23) if i not in (3, 17)]
+    item = dataset[5]
+    expected = record(positions[5], seq_len_of(positions[5]))
+    length = expected.seq_len
+    assert set(item) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
+    assert item["input_ids"].dtype == torch.long and item["input_ids"].shape == (length,)
+    assert item["loss_mask"].shape == (length,)
+    assert item["hidden_state"].dtype == torch.bfloat16 and item["hidden_state"].shape == (1, length, 64)
+    assert item["aux_hidden_state"].shape == (1, length, 192)
+    bits = item["aux_hidden_state"][0].view(torch.int16).numpy().view(np.uint16)
+    assert bits.tobytes() == expected.aux_hidden_states.tobytes()
+    assert item["input_ids"].tolist() == expected.input_ids.tolist()
+
+
+def test_resume_skips_committed_shards_and_each_sample_is_stored_once(tmp_path: Path) -> None:
+    plan = plan_for(12, 4)
+    store = _store(tmp_path)
+    store.put_json_if_absent("plan.json", plan)
+    first = store.open_shard(0, range(0, 4))
+    for i in range(4):
+        first.add(record(i, seq_len_of(i)))
+    first.seal()
+    half = store.open_shard(1, range(4, 8))  # the process dies while shard 1 is half built
+    half.add(record(4, seq_len_of(4)))
+    assert store.finalize({}) is None
+    resumed = _store(tmp_path)
+    assert resumed.committed_shards() == {0}
+    commits = write_run(resumed, plan)
+    assert [c.shard_index for c in commits] == [1, 2]
+    assert resumed.finalize({}) is not None
+    report = run_verify(str(tmp_path / "run-1"))
+    assert report.ok and report.samples == 12 and report.duplicates == 0, report.summary_text()
+
+
+def test_identical_second_writer_succeeds_and_different_one_fails_loudly(tmp_path: Path) -> None:
+    plan = plan_for(3, 3)
+    write_run(_store(tmp_path), plan)
+    key = tmp_path / "run-1" / "shards" / "shard-000000.safetensors"
+    before = key.read_bytes()
+    again = _store(tmp_path).open_shard(0, range(0, 3))
+    for i in range(3):
+        again.add(record(i, seq_len_of(i)))
+    assert (
+        again.seal().checksum
+        == json.loads((tmp_path / "run-1/commits/shard-000000.json").read_text())["checksum"]
+    )
+    different = _store(tmp_path).open_shard(0, range(0, 3))
+    for i in range(3):
+        different.add(record(i, seq_len_of(i), seed=99))
+    with pytest.raises(ShardConflictError, match="different content"):
+        different.seal()
+    assert key.read_bytes() == before
+
+
+def test_builder_refuses_bad_use(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    builder = store.open_shard(0, range(10, 13))
+    with pytest.raises(ValueError, match="outside"):
+        builder.add(record(9, 4))
+    builder.add(record(10, 4))
+    with pytest.raises(ValueError, match="already"):
+        builder.quarantine(QuarantineEntry(10, "row-10", "no_dump", "x"))
+    with pytest.raises(ValueError, match="neither added nor quarantined"):
+        builder.seal()
+    builder.abort()
+    with pytest.raises(RuntimeError):
+        builder.add(record(11, 4))
+    with pytest.raises(ValueError):
+        store.open_shard(1, range(5, 5))
+
+
+def test_all_quarantined_shard_commits_empty(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    commits = write_run(store, plan_for(4, 2), quarantine=frozenset({2, 3}))
+    assert (commits[1].samples, commits[1].quarantined) == (0, 2)
+    store.finalize({})
+    assert run_verify(str(tmp_path / "run-1")).ok
+
+
+def test_verify_and_reader_catch_a_flipped_bit(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    write_run(store, plan_for(6, 3))
+    store.finalize({})
+    shard = tmp_path / "run-1" / "shards" / "shard-000001.safetensors"
+    header = store.read_header(1)
+    data = bytearray(shard.read_bytes())
+    data[header.data_start + header.samples[1].offset + 3] ^= 0x10
+    shard.write_bytes(bytes(data))
+    report = run_verify(str(tmp_path / "run-1"))
+    assert not report.ok and any("checksum mismatch" in e for e in report.errors), report.summary_text()
+    sampled = run_verify(str(tmp_path / "run-1"), sample_fraction=1.0)
+    assert not sampled.ok
+    dataset = HiddenStatesDataset(str(tmp_path / "run-1"))
+    with pytest.raises(ValueError, match="checksum"):
+        dataset[4]
+    unchecked = HiddenStatesDataset(str(tmp_path / "run-1"), verify_checksums=False)
+    assert unchecked[0]["input_ids"].shape[0] == seq_len_of(0)
+
+
+def test_verify_catches_manifest_and_commit_disagreement(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    write_run(store, plan_for(4, 2))
+    store.finalize({})
+    path = tmp_path / "run-1" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["samples"] = 5
+    path.write_text(json.dumps(manifest))
+    report = run_verify(str(tmp_path / "run-1"))
+    assert any("manifest field 'samples'" in e for e in report.errors)
+    (tmp_path / "run-1" / "commits" / "shard-000001.json").unlink()
+    report = run_verify(str(tmp_path / "run-1"))
+    assert any("no commit record" in e for e in report.errors)
+
+
+def test_reader_requires_a_finished_run_unless_told(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    write_run(store, plan_for(4, 2))
+    with pytest.raises(PermanentStoreError, match="manifest"):
+        HiddenStatesDataset(str(tmp_path / "run-1"))
+    assert len(HiddenStatesDataset(str(tmp_path / "run-1"), require_manifest=False)) == 4
+
+
+def test_put_json_if_absent_returns_what_is_stored(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    assert store.put_json_if_absent("plan.json", {"shards": [], "n": 1}) == {"shards": [], "n": 1}
+    assert store.put_json_if_absent("plan.json", {"shards": [], "n": 2}) == {"shards": [], "n": 1}
+    assert store.get_json("missing.json") is None
+
+
+def test_open_uri_lines_reads_local_files(tmp_path: Path) -> None:
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"id": 1}\n{"id": 2}\n')
+    assert list(open_uri_lines(str(path))) == [b'{"id": 1}\n', b'{"id": 2}\n']
+    assert list(open_uri_lines(f"file://{path}")) == [b'{"id": 1}\n', b'{"id": 2}\n']

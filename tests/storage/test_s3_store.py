@@ -1,0 +1,244 @@
+"""The store against a real S3 server (SeaweedFS, auth on)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hsx_extractor.config import OutputSpec
+from hsx_extractor.keys import InvalidKeyError
+from hsx_extractor.reader import HiddenStatesDataset
+from hsx_extractor.s3store import MultipartUploader, S3Backend
+from hsx_extractor.store import (
+    PermanentStoreError,
+    ShardConflictError,
+    SpooledObject,
+    open_store,
+    open_uri_lines,
+)
+from hsx_extractor.verify import run_verify
+from tests.ground.s3 import S3Server
+from tests.storage.faultproxy import FaultPlan, FaultProxy
+from tests.storage.samples import assert_same, plan_for, record, seq_len_of, write_run
+
+pytestmark = pytest.mark.s3
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _spec(server: S3Server, bucket: str, prefix: str = "team/out", **extra: object) -> OutputSpec:
+    fields = {
+        "uri": f"s3://{bucket}/{prefix}",
+        "endpoint": server.endpoint,
+        "pathStyle": True,
+        "partSizeBytes": 5 << 20,
+        "uploadConcurrency": 4,
+        **extra,
+    }
+    return OutputSpec.model_validate(fields)
+
+
+def _uploads(server: S3Server, bucket: str) -> list[dict]:
+    return server.client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+
+
+def _has_parts(server: S3Server, bucket: str, upload: dict) -> bool:
+    try:
+        listed = server.client().list_parts(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+    except Exception:  # completed or aborted meanwhile
+        return False
+    return bool(listed.get("Parts"))
+
+
+def _big_source(seed: int = 0) -> SpooledObject:
+    """A 12 MiB object (three 5 MiB parts) as the uploader sees a sealed shard."""
+    import tempfile
+
+    data = (bytes(range(256)) * 4096 * 12)[: 12 << 20]
+    data = bytes([seed]) + data[1:]
+    fd, path = tempfile.mkstemp()
+    os.unlink(path)
+    os.pwrite(fd, data, 0)
+    return SpooledObject(b"", fd, ((0, len(data)),))
+
+
+@pytest.mark.parametrize("compression", ["none", "bf16-zstd"])
+def test_round_trip_of_every_tensor_is_byte_exact(s3_env: S3Server, s3_bucket: str, compression: str) -> None:
+    spec = _spec(s3_env, s3_bucket, compression=compression)
+    store = open_store(spec, "run-1")
+    write_run(store, plan_for(14, 5), hidden=256, quarantine=frozenset({6}))
+    manifest = store.finalize({"model": "tiny"})
+    assert manifest is not None and manifest["samples"] == 13
+    run_uri = f"s3://{s3_bucket}/team/out/run-1"
+    report = run_verify(run_uri, output=spec)
+    assert report.ok and report.samples_checked == 13, report.summary_text()
+    assert run_verify(run_uri, sample_fraction=0.3, output=spec).ok
+    dataset = HiddenStatesDataset(run_uri, output=spec)
+    reader = dataset.reader
+    for position in range(len(dataset)):
+        got = reader.read(position)
+        assert_same(got, record(got.index, seq_len_of(got.index), 256))
+    assert len(dataset) == 13
+    assert _uploads(s3_env, s3_bucket) == []
+
+
+def test_two_writers_racing_on_one_shard(s3_env: S3Server, s3_bucket: str) -> None:
+    """Both seal the same shard at once: one object, one commit record, both report success."""
+    spec = _spec(s3_env, s3_bucket)
+    builders = []
+    for _ in range(2):
+        b = open_store(spec, "race").open_shard(0, range(0, 40))
+        for i in range(40):
+            b.add(record(i, seq_len_of(i), 256))
+        builders.append(b)
+    results: list[object] = [None, None]
+    start = threading.Barrier(2)
+
+    def seal(slot: int) -> None:
+        start.wait()
+        try:
+            results[slot] = builders[slot].seal()
+        except Exception as exc:
+            results[slot] = exc
+
+    threads = [threading.Thread(target=seal, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(not isinstance(r, Exception) for r in results), results
+    assert results[0] == results[1]
+    client = s3_env.client()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket)["Contents"]]
+    assert sorted(keys) == [
+        "team/out/race/commits/shard-000000.json",
+        "team/out/race/shards/shard-000000.safetensors",
+    ]
+    assert _uploads(s3_env, s3_bucket) == []
+
+
+def test_conditional_multipart_completion_refuses_a_second_object(s3_env: S3Server, s3_bucket: str) -> None:
+    """The uploader itself (no HEAD shortcut): the second complete gets 412, nothing is replaced."""
+    backend = S3Backend.from_output(s3_bucket, _spec(s3_env, s3_bucket))
+    uploader: MultipartUploader = backend.uploader
+    first, second = _big_source(1), _big_source(2)
+    assert uploader.upload_if_absent("k/obj", first, {}) is True
+    assert uploader.upload_if_absent("k/obj", second, {}) is False
+    body = s3_env.client().get_object(Bucket=s3_bucket, Key="k/obj")["Body"].read()
+    assert body[:1] == b"\x01" and len(body) == first.size
+    assert uploader.put_if_absent("k/small", b"one") is True
+    assert uploader.put_if_absent("k/small", b"two") is False
+    assert backend.get("k/small") == b"one"
+    assert _uploads(s3_env, s3_bucket) == []
+
+
+def test_different_content_for_a_committed_shard_fails_loudly(s3_env: S3Server, s3_bucket: str) -> None:
+    spec = _spec(s3_env, s3_bucket)
+    write_run(open_store(spec, "run-1"), plan_for(3, 3), hidden=128)
+    builder = open_store(spec, "run-1").open_shard(0, range(0, 3))
+    for i in range(3):
+        builder.add(record(i, seq_len_of(i), 128, seed=5))
+    with pytest.raises(ShardConflictError, match="different content") as info:
+        builder.seal()
+    assert f"s3://{s3_bucket}/team/out/run-1/shards/shard-000000.safetensors" in str(info.value)
+    report = run_verify(f"s3://{s3_bucket}/team/out/run-1", output=spec)
+    assert report.ok, report.summary_text()
+
+
+def test_wrong_credentials_fail_at_once_naming_the_cause(
+    s3_env: S3Server, s3_bucket: str, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with pytest.raises(PermanentStoreError) as info:
+        open_store(_spec(s3_env, s3_bucket), "run-1")
+    message = str(info.value)
+    assert "secret key is wrong" in message and s3_bucket in message and "team/out" in message
+    assert info.value.exit_code == 3
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nobody")
+    with pytest.raises(PermanentStoreError, match="access key is unknown"):
+        open_store(_spec(s3_env, s3_bucket), "run-1")
+
+
+def test_missing_bucket_fails_at_once(s3_env: S3Server) -> None:
+    with pytest.raises(PermanentStoreError, match="bucket does not exist") as info:
+        open_store(_spec(s3_env, "no-such-bucket-here"), "run-1")
+    assert "no-such-bucket-here" in str(info.value)
+
+
+@pytest.mark.parametrize("prefix", ["team/../escape", "../up", "a/./b"])
+def test_dot_dot_in_the_prefix_is_rejected(s3_env: S3Server, s3_bucket: str, prefix: str) -> None:
+    with pytest.raises(InvalidKeyError):
+        open_store(_spec(s3_env, s3_bucket, prefix=prefix), "run-1")
+    assert "Contents" not in s3_env.client().list_objects_v2(Bucket=s3_bucket)
+
+
+def test_writer_killed_mid_upload_then_restarted(s3_env: S3Server, s3_bucket: str) -> None:
+    """SIGKILL while a shard is uploading; the restart commits every sample exactly once and
+    leaves no multipart upload behind."""
+    spec = _spec(s3_env, s3_bucket, compression="none", uploadConcurrency=1)
+    env = {**os.environ, **s3_env.env(), "PYTHONPATH": str(REPO)}
+    # Parts go through a proxy that delays each one, so the kill lands mid-upload.
+    slow_parts = FaultPlan(seed=0, rate=0.0, slow_seconds=0.5, slow_matching="partNumber=")
+    with FaultProxy(s3_env.endpoint, slow_parts) as proxy:
+        killed_during = _run_and_kill(
+            spec.model_copy(update={"endpoint": proxy.endpoint}), env, s3_env, s3_bucket
+        )
+    assert _uploads(s3_env, s3_bucket), "the kill should have left an unfinished upload"
+    assert killed_during.startswith("team/out/killed/shards/")
+
+    store = open_store(spec, "killed")
+    before = store.committed_shards()
+    write_run(store, plan_for(90, 30), hidden=1024)
+    assert store.finalize({}) is not None
+    assert _uploads(s3_env, s3_bucket) == []
+    indices = [i for k in sorted(store.committed_shards()) for i in store.get_commit(k).sample_indices]  # type: ignore[union-attr]
+    assert indices == list(range(90))
+    report = run_verify(f"s3://{s3_bucket}/team/out/killed", output=spec)
+    assert report.ok and report.duplicates == 0 and report.samples_checked == 90, report.summary_text()
+    assert before < store.committed_shards()
+
+
+def _run_and_kill(spec: OutputSpec, env: dict[str, str], server: S3Server, bucket: str) -> str:
+    """Start the writer process; SIGKILL it once an upload has a part. Returns that upload's key."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.storage.writer_proc", spec.model_dump_json(), "killed", "90", "30"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    killed_during = None
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            uploads = _uploads(server, bucket)
+            if uploads and _has_parts(server, bucket, uploads[0]):
+                os.kill(proc.pid, signal.SIGKILL)
+                killed_during = uploads[0]["Key"]
+                break
+            time.sleep(0.01)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _, stderr = proc.communicate(timeout=30)
+    assert killed_during is not None, f"writer finished before it could be killed: {stderr.decode()[-2000:]}"
+    return killed_during
+
+
+def test_dataset_lines_from_s3(s3_env: S3Server, s3_bucket: str) -> None:
+    rows = b"".join(
+        json.dumps({"id": i, "input_ids": [1, 2], "loss_mask": [0, 1]}).encode() + b"\n" for i in range(5)
+    )
+    s3_env.client().put_object(Bucket=s3_bucket, Key="data/train.jsonl", Body=rows + b'{"id": "last"}')
+    spec = _spec(s3_env, s3_bucket)
+    lines = list(open_uri_lines(f"s3://{s3_bucket}/data/train.jsonl", spec))
+    assert b"".join(lines) == rows + b'{"id": "last"}' and len(lines) == 6
+    with pytest.raises(PermanentStoreError):
+        list(open_uri_lines(f"s3://{s3_bucket}/data/missing.jsonl", spec))
