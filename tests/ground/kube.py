@@ -26,7 +26,6 @@ import yaml
 from tests.ground.pki import CertificateAuthority, KeyPair, new_private_key, private_key_pem, public_key_pem
 from tests.ground.podnet import all_gateways
 from tests.ground.procs import ManagedProcess, free_port, tail
-from tests.ground.tools import tool_path
 
 SERVICE_CIDR = "10.96.0.0/24"
 SERVICE_IP = "10.96.0.1"  # first address of SERVICE_CIDR: the `kubernetes` Service
@@ -35,6 +34,13 @@ SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 NODE_LOSS_TOLERATION_S = 20
 NODE_MONITOR_GRACE = "8s"
 STARTUP_TIMEOUT_S = 120.0
+
+
+def tool_path(name: str) -> Path:
+    # Imported late: conftest registers tests.ground.tools as a plugin after this module.
+    from tests.ground.tools import tool_path as resolve
+
+    return resolve(name)
 
 
 def kubeconfig_document(server: str, ca_pem: bytes, pair: KeyPair, user: str) -> dict:
@@ -115,7 +121,7 @@ class KubeCluster:
             raise KubectlError(result.returncode, argv, result.stdout, result.stderr)
         return result
 
-    def log_tails(self, lines: int = 30) -> str:
+    def log_tails(self, lines: int = 15) -> str:
         """The last lines of every component's log, for failure reports."""
         parts = [f"--- {c.name} ({c.log_path}) ---\n{tail(c.log_path, lines)}" for c in self.components]
         return "\n".join(parts)
@@ -177,6 +183,10 @@ def start_kube_cluster(workdir: Path | None = None) -> Iterator[KubeCluster]:
         server=True,
     )
     serving_crt, serving_key = _write_pair(pki_dir, "apiserver", serving)
+    # Components read the front-proxy CA from the API server; without one they log errors all session.
+    front_proxy_ca_path = _write(
+        pki_dir / "front-proxy-ca.crt", CertificateAuthority("hsx-front-proxy-ca").cert_pem
+    )
     admin = ca.issue("hsx-admin", ["system:masters"])
     admin_crt, admin_key = _write_pair(pki_dir, "admin", admin)
     admin_kubeconfig = root / "admin.kubeconfig"
@@ -226,6 +236,11 @@ def start_kube_cluster(workdir: Path | None = None) -> Iterator[KubeCluster]:
             f"--default-not-ready-toleration-seconds={NODE_LOSS_TOLERATION_S}",
             f"--default-unreachable-toleration-seconds={NODE_LOSS_TOLERATION_S}",
             "--profiling=false",
+            f"--requestheader-client-ca-file={front_proxy_ca_path}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
         ],
         logs / "kube-apiserver.log",
     )

@@ -1,0 +1,481 @@
+"""The test ground is real: the API server, scheduler, controllers and the node agent behave as in a cluster."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+from urllib.request import urlopen
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from tests.ground.wait import condition_true, get_json, wait_for
+
+pytestmark = pytest.mark.cluster
+
+IMAGE = "hsx-test/local:1"  # runs the container's command as written
+
+
+@pytest.fixture
+def node(node_agent):
+    node_agent.register_image("hsx-test/local:*")
+    return node_agent
+
+
+def apply(cluster, *objects: dict) -> None:
+    cluster.kubectl(
+        "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objects)})
+    )
+
+
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def pod_manifest(name: str, namespace: str, containers: list[dict], **spec: object) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"restartPolicy": "Never", "containers": containers, **spec},
+    }
+
+
+def pod_phase(cluster, namespace: str, name: str) -> str:
+    return str(get_json(cluster, "pod", name, "-n", namespace).get("status", {}).get("phase", ""))
+
+
+def test_crd_is_served_and_its_schema_enforced(kube_cluster, namespace):
+    group = f"g{uuid.uuid4().hex[:6]}.test.hsx.dev"
+    crd = {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"widgets.{group}"},
+        "spec": {
+            "group": group,
+            "scope": "Namespaced",
+            "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "properties": {
+                                "spec": {
+                                    "type": "object",
+                                    "required": ["size"],
+                                    "properties": {"size": {"type": "integer", "minimum": 1}},
+                                }
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }
+    apply(kube_cluster, crd)
+    try:
+        kube_cluster.kubectl("wait", "--for=condition=Established", f"crd/widgets.{group}", "--timeout=60s")
+        good = {
+            "apiVersion": f"{group}/v1",
+            "kind": "Widget",
+            "metadata": {"name": "good"},
+            "spec": {"size": 3},
+        }
+        kube_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(good))
+        listed = get_json(kube_cluster, f"widgets.{group}", "-n", namespace)
+        assert [w["spec"]["size"] for w in listed["items"]] == [3]
+
+        bad = {**good, "metadata": {"name": "bad"}, "spec": {"size": 0}}
+        refused = kube_cluster.kubectl(
+            "apply", "-n", namespace, "-f", "-", input=json.dumps(bad), check=False
+        )
+        assert refused.returncode != 0
+        assert "spec.size" in refused.stderr and "greater than or equal to 1" in refused.stderr, (
+            refused.stderr
+        )
+        missing = {**good, "metadata": {"name": "missing"}, "spec": {}}
+        refused = kube_cluster.kubectl(
+            "apply", "-n", namespace, "-f", "-", input=json.dumps(missing), check=False
+        )
+        assert refused.returncode != 0 and "spec.size: Required value" in refused.stderr, refused.stderr
+    finally:
+        kube_cluster.kubectl("delete", "crd", f"widgets.{group}", "--wait=false", check=False)
+
+
+def test_identity_without_rbac_is_refused_until_granted(kube_cluster, namespace):
+    eve = kube_cluster.user_kubeconfig("eve", groups=["hsx-testers"])
+    refused = kube_cluster.kubectl("get", "pods", "-n", namespace, kubeconfig=eve, check=False)
+    assert refused.returncode != 0
+    assert 'User "eve" cannot list resource "pods"' in refused.stderr, refused.stderr
+    with pytest.raises(ApiException) as caught:
+        client.CoreV1Api(kube_cluster.api_client(eve)).list_namespaced_pod(namespace)
+    assert caught.value.status == 403
+
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": "pod-reader", "namespace": namespace},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": "testers-read-pods", "namespace": namespace},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pod-reader"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "hsx-testers"}],
+    }
+    apply(kube_cluster, role, binding)
+    wait_for(
+        lambda: (
+            kube_cluster.kubectl("get", "pods", "-n", namespace, kubeconfig=eve, check=False).returncode == 0
+        ),
+        30,
+        "eve's group binding to take effect",
+    )
+    # Authorization comes before lookup: deleting even a missing pod is refused without the verb.
+    still_refused = kube_cluster.kubectl(
+        "delete", "pod", "anything", "-n", namespace, kubeconfig=eve, check=False
+    )
+    assert still_refused.returncode != 0
+    assert 'cannot delete resource "pods"' in still_refused.stderr, still_refused.stderr
+
+
+def test_job_is_scheduled_run_completed_and_garbage_collected(kube_cluster, node, namespace):
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "hello", "namespace": namespace},
+        "spec": {
+            "backoffLimit": 0,
+            "template": {
+                "spec": {
+                    "restartPolicy": "Never",
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": IMAGE,
+                            "command": ["sh", "-c", "echo hello from $(POD_NAME) in $(NS)"],
+                            "env": [
+                                {
+                                    "name": "POD_NAME",
+                                    "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                                },
+                                {
+                                    "name": "NS",
+                                    "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+                                },
+                            ],
+                            "resources": {"limits": {"nvidia.com/gpu": "8"}},
+                        }
+                    ],
+                }
+            },
+        },
+    }
+    apply(kube_cluster, job)
+    wait_for(
+        lambda: condition_true(get_json(kube_cluster, "job", "hello", "-n", namespace), "Complete"),
+        90,
+        "the Job controller to mark the Job Complete",
+    )
+    pods = get_json(kube_cluster, "pods", "-n", namespace, "-l", "job-name=hello")["items"]
+    assert len(pods) == 1
+    pod = pods[0]
+    assert pod["spec"]["nodeName"] == node.node_name
+    assert pod["status"]["phase"] == "Succeeded"
+    assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+    name = pod["metadata"]["name"]
+    assert node.logs(namespace, name, "main").strip() == f"hello from {name} in {namespace}"
+
+    kube_cluster.kubectl("delete", "job", "hello", "-n", namespace, "--cascade=background")
+    wait_for(
+        lambda: not get_json(kube_cluster, "pods", "-n", namespace, "-l", "job-name=hello")["items"],
+        60,
+        "the garbage collector to delete the Job's pod",
+    )
+
+
+SIDECAR = """
+    import http.server, os, signal, sys
+    journal = os.environ["JOURNAL"]
+    def note(line):
+        with open(journal, "a") as f:
+            f.write(line + "\\n")
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+        def log_message(self, *args):
+            pass
+    server = http.server.HTTPServer(("0.0.0.0", 30000), Health)  # inside the pod's own netns
+    def stop(*_):
+        note("sidecar stopping"); sys.exit(0)
+    signal.signal(signal.SIGTERM, stop)
+    note("sidecar serving")
+    server.serve_forever()
+"""
+MAIN = """
+    import os, urllib.request
+    body = urllib.request.urlopen("http://127.0.0.1:30000/").read().decode()
+    with open(os.environ["JOURNAL"], "a") as f:
+        f.write(f"main saw {body}\\n")
+"""
+
+
+def test_native_sidecar_starts_first_and_stops_after_main(kube_cluster, node, namespace, tmp_path):
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    env = [{"name": "JOURNAL", "value": "/journal/events"}]
+    mounts = [{"name": "journal", "mountPath": "/journal"}]
+    sidecar = {
+        "name": "server",
+        "image": IMAGE,
+        "restartPolicy": "Always",
+        "command": python(SIDECAR),
+        "env": env,
+        "volumeMounts": mounts,
+        "startupProbe": {"httpGet": {"path": "/", "port": 30000}, "periodSeconds": 1, "failureThreshold": 60},
+    }
+    main = {"name": "extractor", "image": IMAGE, "command": python(MAIN), "env": env, "volumeMounts": mounts}
+    pod = pod_manifest(
+        "sidecar-order",
+        namespace,
+        [main],
+        initContainers=[sidecar],
+        volumes=[{"name": "journal", "hostPath": {"path": str(journal_dir), "type": "Directory"}}],
+    )
+    apply(kube_cluster, pod)
+    wait_for(
+        lambda: pod_phase(kube_cluster, namespace, "sidecar-order") == "Succeeded", 90, "the pod to succeed"
+    )
+    events = (journal_dir / "events").read_text().splitlines()
+    assert events == ["sidecar serving", "main saw ok", "sidecar stopping"]
+    status = get_json(kube_cluster, "pod", "sidecar-order", "-n", namespace)["status"]
+    assert status["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+    assert status["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+
+
+SERVER = """
+    import http.server, os
+    class Name(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers(); self.wfile.write(os.environ["POD_NAME"].encode())
+        def log_message(self, *args):
+            pass
+    http.server.HTTPServer(("0.0.0.0", 8080), Name).serve_forever()  # inside the pod's own netns
+"""
+
+
+def test_two_pods_listen_on_the_same_port(kube_cluster, node, namespace):
+    def server_pod(name: str) -> dict:
+        container = {
+            "name": "web",
+            "image": IMAGE,
+            "command": python(SERVER),
+            "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+            "ports": [{"name": "http", "containerPort": 8080}],
+            "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1},
+        }
+        return pod_manifest(name, namespace, [container], terminationGracePeriodSeconds=5)
+
+    apply(kube_cluster, server_pod("web-a"), server_pod("web-b"))
+    for name in ("web-a", "web-b"):
+        kube_cluster.kubectl("wait", "--for=condition=Ready", f"pod/{name}", "-n", namespace, "--timeout=90s")
+    ips = {
+        name: get_json(kube_cluster, "pod", name, "-n", namespace)["status"]["podIP"]
+        for name in ("web-a", "web-b")
+    }
+    assert len(set(ips.values())) == 2
+    for name, ip in ips.items():
+        with urlopen(f"http://{ip}:8080/", timeout=10) as response:
+            assert response.read().decode() == name
+
+    kube_cluster.kubectl("delete", "pod", "web-a", "web-b", "-n", namespace, "--wait=true", "--timeout=60s")
+    assert not get_json(kube_cluster, "pods", "-n", namespace)["items"]
+
+
+def test_env_and_volumes_from_the_api(kube_cluster, node, namespace):
+    configmap = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "settings", "namespace": namespace},
+        "data": {"greeting": "hi", "mode": "fast"},
+    }
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "creds", "namespace": namespace},
+        "stringData": {"password": "s3cret"},
+    }
+    script = """
+        set -u
+        echo "greeting=$GREETING password=$PASSWORD prefixed=$CFG_mode ns=$NS sub=$(SUB)"
+        echo "file=$(cat /etc/cfg/greeting) secret=$(cat /etc/sec/password) label=$(cat /etc/podinfo/app)"
+        echo "scratch=$(stat -f -c %T /scratch) workdir=$(pwd)"
+        if touch /etc/sec/extra 2>/dev/null; then echo secret-writable; else echo secret-read-only; fi
+        test -s /var/run/secrets/kubernetes.io/serviceaccount/token && echo token-present
+    """
+    container = {
+        "name": "show",
+        "image": IMAGE,
+        "command": ["sh", "-c", textwrap.dedent(script)],
+        "workingDir": "/scratch/work",
+        "env": [
+            {"name": "GREETING", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "greeting"}}},
+            {"name": "PASSWORD", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "password"}}},
+            {"name": "NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "SUB", "value": "$(NS)-x"},
+        ],
+        "envFrom": [{"prefix": "CFG_", "configMapRef": {"name": "settings"}}],
+        "volumeMounts": [
+            {"name": "cfg", "mountPath": "/etc/cfg"},
+            {"name": "sec", "mountPath": "/etc/sec", "readOnly": True},
+            {"name": "scratch", "mountPath": "/scratch"},
+            {"name": "podinfo", "mountPath": "/etc/podinfo"},
+        ],
+    }
+    pod = pod_manifest(
+        "show-env",
+        namespace,
+        [container],
+        volumes=[
+            {"name": "cfg", "configMap": {"name": "settings"}},
+            {"name": "sec", "secret": {"secretName": "creds"}},
+            {"name": "scratch", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
+            {
+                "name": "podinfo",
+                "downwardAPI": {
+                    "items": [{"path": "app", "fieldRef": {"fieldPath": "metadata.labels['app']"}}]
+                },
+            },
+        ],
+    )
+    pod["metadata"]["labels"] = {"app": "shower"}
+    apply(kube_cluster, configmap, secret, pod)
+    wait_for(lambda: pod_phase(kube_cluster, namespace, "show-env") == "Succeeded", 90, "the pod to succeed")
+    assert node.logs(namespace, "show-env", "show").splitlines() == [
+        f"greeting=hi password=s3cret prefixed=fast ns={namespace} sub={namespace}-x",
+        "file=hi secret=s3cret label=shower",
+        "scratch=tmpfs workdir=/scratch/work",
+        "secret-read-only",
+        "token-present",
+    ]
+
+
+def test_pod_reaches_the_api_server_with_its_service_account(kube_cluster, node, namespace):
+    grant = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": "default-view", "namespace": namespace},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "view"},
+        "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}],
+    }
+    reader = """
+        import os
+        from kubernetes import client, config
+        config.load_incluster_config()
+        pod = client.CoreV1Api().read_namespaced_pod(os.environ["HOSTNAME"], os.environ["NS"])
+        print("read", pod.metadata.name, pod.spec.node_name)
+        try:
+            client.CoreV1Api().list_namespaced_secret(os.environ["NS"])
+        except client.exceptions.ApiException as exc:
+            print("secrets", exc.status)
+    """
+    container = {
+        "name": "reader",
+        "image": IMAGE,
+        "command": python(reader),
+        "env": [{"name": "NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
+    }
+    apply(kube_cluster, grant, pod_manifest("reader", namespace, [container]))
+    wait_for(
+        lambda: pod_phase(kube_cluster, namespace, "reader") in ("Succeeded", "Failed"), 90, "the pod to end"
+    )
+    output = node.logs(namespace, "reader", "reader")
+    assert pod_phase(kube_cluster, namespace, "reader") == "Succeeded", output
+    assert output.splitlines() == [f"read reader {node.node_name}", "secrets 403"]
+
+
+def test_unregistered_image_waits_in_image_pull_back_off(kube_cluster, node, namespace):
+    image = f"hsx-test/unknown-{uuid.uuid4().hex[:6]}:1"
+    apply(kube_cluster, pod_manifest("pull", namespace, [{"name": "c", "image": image, "command": ["true"]}]))
+
+    def waiting_reason() -> str:
+        statuses = (
+            get_json(kube_cluster, "pod", "pull", "-n", namespace).get("status", {}).get("containerStatuses")
+        )
+        return str((statuses or [{}])[0].get("state", {}).get("waiting", {}).get("reason", ""))
+
+    wait_for(lambda: waiting_reason() == "ImagePullBackOff", 60, "ImagePullBackOff")
+    assert pod_phase(kube_cluster, namespace, "pull") == "Pending"
+    node.register_image(image)
+    try:
+        wait_for(
+            lambda: pod_phase(kube_cluster, namespace, "pull") == "Succeeded",
+            60,
+            "the pod to run once pullable",
+        )
+    finally:
+        node.unregister_image(image)
+
+
+def test_killed_container_is_restarted_under_on_failure(kube_cluster, node, namespace):
+    container = {"name": "sleeper", "image": IMAGE, "command": ["sleep", "1000"]}
+    pod = pod_manifest(
+        "crashy", namespace, [container], restartPolicy="OnFailure", terminationGracePeriodSeconds=1
+    )
+    apply(kube_cluster, pod)
+
+    def status() -> dict:
+        return get_json(kube_cluster, "pod", "crashy", "-n", namespace).get("status", {})
+
+    wait_for(lambda: status().get("phase") == "Running", 60, "the pod to run")
+    node.kill_container(namespace, "crashy", "sleeper", signal.SIGKILL)
+
+    def restarted() -> dict | None:
+        container_status = (status().get("containerStatuses") or [{}])[0]
+        running = "running" in container_status.get("state", {})
+        return container_status if container_status.get("restartCount") == 1 and running else None
+
+    after = wait_for(restarted, 60, "the container to be restarted")
+    assert after["lastState"]["terminated"]["exitCode"] == 128 + signal.SIGKILL
+    kube_cluster.kubectl("delete", "pod", "crashy", "-n", namespace, "--timeout=60s")
+
+
+def test_node_death_and_return(kube_cluster, node, namespace):
+    def ready() -> str:
+        conditions = get_json(kube_cluster, "node", node.node_name)["status"]["conditions"]
+        return next(c["status"] for c in conditions if c["type"] == "Ready")
+
+    assert ready() == "True"
+    node.stop()
+    try:
+        wait_for(lambda: ready() == "Unknown", 60, "the node lifecycle controller to notice the silent node")
+    finally:
+        node.start()
+    wait_for(lambda: ready() == "True", 60, "the node to be Ready again")
+    apply(
+        kube_cluster, pod_manifest("after", namespace, [{"name": "c", "image": IMAGE, "command": ["true"]}])
+    )
+    wait_for(
+        lambda: pod_phase(kube_cluster, namespace, "after") == "Succeeded",
+        60,
+        "a pod to run after the return",
+    )
+
+
+def test_user_kubeconfig_file_is_a_usable_identity(kube_cluster):
+    path = kube_cluster.user_kubeconfig("system:serviceaccount:x:y", groups=["system:authenticated"])
+    assert Path(path).exists()
+    whoami = kube_cluster.kubectl("auth", "whoami", "-o", "json", kubeconfig=path)
+    info = json.loads(whoami.stdout)["status"]["userInfo"]
+    assert info["username"] == "system:serviceaccount:x:y"
+    assert "system:authenticated" in info["groups"]
