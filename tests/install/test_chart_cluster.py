@@ -1,0 +1,282 @@
+"""The chart against the real control plane: a server-side dry run, then a real `helm install` whose operator
+pod runs under the node agent (as the venv's `hsx-operator`, with the chart's ServiceAccount and RBAC) and
+reconciles ExtractionJobs. The GitOps rerun story is checked on that operator:
+
+* an unchanged apply changes nothing (generation, resourceVersion, the Job);
+* the operator never writes spec (no perma-diff for Argo CD or Flux);
+* a new runId starts a new run (a new Job);
+* TTL cleanup of a finished run's Job never makes the operator create it again.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hsx_operator.desired import LABEL_XJ
+from tests.install.chart import CHART, helm, render_text
+from tests.install.test_argocd_health import run_health
+
+pytestmark = pytest.mark.cluster
+
+OPERATOR = Path(sys.executable).parent / "hsx-operator"
+POLL_SECONDS = 1
+# How long a settled object must stay unwritten to count as settled: several operator polls.
+QUIET_SECONDS = 6 * POLL_SECONDS
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 120.0, every_s: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what} (last: {last!r})")
+
+
+@pytest.fixture(scope="module")
+def crds(kube_cluster: Any) -> None:
+    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
+    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/extractionjobs.hsx.dev")
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{}, {"rbac.namespaced": "true"}, {"replicaCount": "2", "peering.enabled": "true", "logLevel": "debug"}],
+    ids=["cluster-wide", "namespaced", "peering"],
+)
+def test_rendered_chart_passes_a_server_side_dry_run(
+    kube_cluster: Any, namespace: str, crds: None, values: dict[str, str], tmp_path: Path
+) -> None:
+    if values.get("rbac.namespaced"):
+        values = {**values, "watchNamespaces": f"{{{namespace}}}"}
+    rendered = tmp_path / "chart.yaml"
+    rendered.write_text(render_text(values, namespace=namespace, release=f"dry-{uuid.uuid4().hex[:6]}"))
+    result = kube_cluster.kubectl(
+        "apply", "--dry-run=server", "--validate=strict", "-f", str(rendered), check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Warning" not in result.stderr, result.stderr
+    objects = [d for d in yaml.safe_load_all(rendered.read_text()) if d]
+    assert result.stdout.count("(server dry run)") == len(objects), result.stdout
+
+
+@dataclass
+class Install:
+    release: str
+    namespace: str  # where the operator runs
+    jobs_namespace: str  # the one namespace it watches
+
+
+def operator_argv(container: dict[str, Any], pod: dict[str, Any]) -> list[str]:
+    # The chart's container, run as the venv's console script with exactly the chart's arguments.
+    assert container["command"] == ["hsx-operator"], container["command"]
+    return [str(OPERATOR), *container.get("args", [])]
+
+
+@pytest.fixture(scope="module")
+def installed(kube_cluster: Any, node_agent: Any, crds: None) -> Iterator[Install]:
+    suffix = uuid.uuid4().hex[:6]
+    install = Install(f"hsx-{suffix}", f"hsx-system-{suffix}", f"hsx-jobs-{suffix}")
+    kube_cluster.kubectl("create", "namespace", install.jobs_namespace)
+    node_agent.register_image("ghcr.io/hsx-dev/hsx-operator:*", operator_argv)
+    try:
+        helm(
+            "install", install.release, str(CHART),
+            "--namespace", install.namespace, "--create-namespace",
+            "--set", "rbac.namespaced=true",
+            "--set", f"watchNamespaces={{{install.jobs_namespace}}}",
+            "--set", f"pollSeconds={POLL_SECONDS}",
+            "--wait", "--timeout", "240s",
+            kubeconfig=kube_cluster.kubeconfig,
+        )  # fmt: skip
+        yield install
+    finally:
+        pods = kube_cluster.kubectl(
+            "get", "pods", "-n", install.namespace, "-o", "name", check=False
+        ).stdout.split()
+        for pod in pods:
+            print(
+                f"--- operator log {pod} ---\n{node_agent.logs(install.namespace, pod.split('/')[-1], 'operator')[-4000:]}"
+            )
+        helm(
+            "uninstall",
+            install.release,
+            "--namespace",
+            install.namespace,
+            "--wait",
+            check=False,
+            kubeconfig=kube_cluster.kubeconfig,
+        )
+        node_agent.unregister_image("ghcr.io/hsx-dev/hsx-operator:*")
+        for ns in (install.jobs_namespace, install.namespace):
+            kube_cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def extraction_job(name: str, namespace: str, run_id: str = "r1", **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "hsx.dev/v1alpha1",
+        "kind": "ExtractionJob",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "runId": run_id,
+            "model": {
+                "path": "/models/tiny",
+                "source": {"hostPath": {"path": "/tmp/hsx-install-test-model"}},
+            },
+            "server": {"gpus": 1},
+            "dataset": {"uri": "/models/tiny/data.jsonl"},
+            "output": {"uri": "s3://hsx-install-test/out"},
+            **spec,
+        },
+    }
+
+
+def apply(kube_cluster: Any, doc: dict[str, Any]) -> str:
+    return str(kube_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc)).stdout)
+
+
+def get(kube_cluster: Any, namespace: str, *what: str) -> Any:
+    return json.loads(kube_cluster.kubectl("get", "-n", namespace, *what, "-o", "json").stdout)
+
+
+def jobs_of(kube_cluster: Any, namespace: str, name: str) -> list[dict[str, Any]]:
+    return list(get(kube_cluster, namespace, "jobs", "-l", f"{LABEL_XJ}={name}")["items"])
+
+
+def settled(kube_cluster: Any, namespace: str, name: str, phase: str) -> dict[str, Any]:
+    """The ExtractionJob once its status describes the current generation in `phase` and stops changing."""
+
+    def current() -> dict[str, Any] | None:
+        xj = get(kube_cluster, namespace, "extractionjob", name)
+        status = xj.get("status", {})
+        ok = status.get("phase") == phase and status.get("observedGeneration") == xj["metadata"]["generation"]
+        return xj if ok else None
+
+    first = wait_for(f"{name} in phase {phase}", current)
+    while True:
+        time.sleep(QUIET_SECONDS)
+        again = wait_for(f"{name} in phase {phase}", current)
+        if again["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]:
+            return dict(again)
+        first = again  # still being written; a status that never settles fails by the timeout of the test
+
+
+def test_operator_from_the_chart_reconciles_an_extraction_job(kube_cluster: Any, installed: Install) -> None:
+    ns = installed.jobs_namespace
+    apply(kube_cluster, extraction_job("first", ns))
+    (job,) = wait_for("the run's Job", lambda: jobs_of(kube_cluster, ns, "first"))
+    xj = get(kube_cluster, ns, "extractionjob", "first")
+    assert job["metadata"]["ownerReferences"][0]["uid"] == xj["metadata"]["uid"]
+    # Its pod runs on the test node, where the server image is unknown: the status names the reason.
+    status = wait_for(
+        "a reason in status",
+        lambda: (s := get(kube_cluster, ns, "extractionjob", "first").get("status", {})).get("reason") and s,
+    )
+    assert status["phase"] in {"Pending", "Starting"}
+    assert status["jobName"] == job["metadata"]["name"]
+    assert run_health(get(kube_cluster, ns, "extractionjob", "first"))["status"] == "Progressing"
+
+
+def test_the_operator_has_no_rights_outside_its_namespaces(kube_cluster: Any, installed: Install) -> None:
+    sa = f"system:serviceaccount:{installed.namespace}:{installed.release}"
+    for verb, resource, namespace, expected in [
+        ("create", "jobs.batch", installed.jobs_namespace, "yes"),
+        ("patch", "extractionjobs.hsx.dev/status", installed.jobs_namespace, "yes"),
+        ("create", "jobs.batch", "default", "no"),
+        ("list", "secrets", installed.jobs_namespace, "no"),
+        ("update", "extractionjobs.hsx.dev", installed.jobs_namespace, "no"),
+    ]:
+        result = kube_cluster.kubectl(
+            "auth", "can-i", verb, resource, "-n", namespace, "--as", sa, check=False
+        )
+        assert result.stdout.strip() == expected, (verb, resource, namespace, result.stdout, result.stderr)
+
+
+def spec_managers(xj: dict[str, Any]) -> set[str]:
+    return {
+        m["manager"] for m in xj["metadata"].get("managedFields", []) if "f:spec" in m.get("fieldsV1", {})
+    }
+
+
+def test_unchanged_apply_changes_nothing_and_the_operator_never_writes_spec(
+    kube_cluster: Any, installed: Install
+) -> None:
+    ns = installed.jobs_namespace
+    doc = extraction_job("steady", ns, suspend=True)
+    apply(kube_cluster, doc)
+    before = settled(kube_cluster, ns, "steady", "Suspended")
+    (job,) = jobs_of(kube_cluster, ns, "steady")
+    assert "unchanged" in apply(kube_cluster, doc)  # what a GitOps sync of an unchanged manifest does
+    time.sleep(QUIET_SECONDS)
+    after = get(kube_cluster, ns, "extractionjob", "steady")
+    assert after["metadata"]["generation"] == before["metadata"]["generation"]
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+    assert after["spec"] == before["spec"]
+    assert [j["metadata"]["uid"] for j in jobs_of(kube_cluster, ns, "steady")] == [job["metadata"]["uid"]]
+    # Only the applier owns spec fields: nothing the operator does shows up as drift from Git.
+    assert spec_managers(after) == {"kubectl-client-side-apply"}, after["metadata"]["managedFields"]
+    assert run_health(after)["status"] == "Suspended"
+
+
+def test_a_new_run_id_starts_a_new_run(kube_cluster: Any, installed: Install) -> None:
+    ns = installed.jobs_namespace
+    apply(kube_cluster, extraction_job("rerun", ns, run_id="r1", suspend=True))
+    first = settled(kube_cluster, ns, "rerun", "Suspended")
+    (old_job,) = jobs_of(kube_cluster, ns, "rerun")
+    apply(kube_cluster, extraction_job("rerun", ns, run_id="r2", suspend=True))
+    second = settled(kube_cluster, ns, "rerun", "Suspended")
+    assert second["metadata"]["generation"] == first["metadata"]["generation"] + 1
+    assert second["status"]["observedRunId"] == "r2"
+    jobs = wait_for(
+        "only the new run's Job",
+        lambda: (
+            [
+                j
+                for j in jobs_of(kube_cluster, ns, "rerun")
+                if j["metadata"]["uid"] != old_job["metadata"]["uid"]
+            ]
+            and jobs_of(kube_cluster, ns, "rerun")
+        ),
+    )
+    (new_job,) = jobs
+    assert new_job["metadata"]["name"] != old_job["metadata"]["name"]
+    assert new_job["metadata"]["labels"]["hsx.dev/run-id"] == "r2"
+    assert [h["runId"] for h in second["status"]["history"]] == ["r1"]
+    assert spec_managers(second) == {"kubectl-client-side-apply"}
+
+
+def test_ttl_cleanup_of_a_finished_run_does_not_start_it_again(kube_cluster: Any, installed: Install) -> None:
+    ns = installed.jobs_namespace
+    # The pod can never start on the test node (unknown image), so the deadline ends the run: Failed.
+    doc = extraction_job("ttl", ns, activeDeadlineSeconds=3, ttlSecondsAfterFinished=0)
+    apply(kube_cluster, doc)
+    (job,) = wait_for("the run's Job", lambda: jobs_of(kube_cluster, ns, "ttl"))
+    wait_for(
+        "the TTL controller to delete the finished Job",
+        lambda: not jobs_of(kube_cluster, ns, "ttl"),
+        timeout_s=180,
+    )
+    final = settled(kube_cluster, ns, "ttl", "Failed")
+    assert not jobs_of(kube_cluster, ns, "ttl"), "the operator re-created the run's Job after TTL cleanup"
+    assert final["status"]["jobName"] == job["metadata"]["name"]
+    assert run_health(final)["status"] == "Degraded"
+    # A later unchanged sync still changes nothing.
+    assert "unchanged" in apply(kube_cluster, doc)
+    time.sleep(QUIET_SECONDS)
+    assert not jobs_of(kube_cluster, ns, "ttl")
+    assert (
+        get(kube_cluster, ns, "extractionjob", "ttl")["metadata"]["resourceVersion"]
+        == final["metadata"]["resourceVersion"]
+    )

@@ -1,0 +1,110 @@
+"""Every manifest in examples/ is accepted by the real API server with the real CRD (server-side dry run)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hsx_operator.api import ExtractionJobSpec
+from tests.install.chart import CHART, ROOT
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def documents(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def test_the_promised_examples_exist() -> None:
+    kinds = {p.name: [d["kind"] for d in documents(p)] for p in EXAMPLES}
+    assert kinds == {
+        "data-parallel.yaml": ["ExtractionJob"],
+        "kimi-k2.5-production.yaml": ["ExtractionJob"],
+        "minimal.yaml": ["ExtractionJob"],
+        "s3-credentials-secret.yaml": ["Secret"],
+    }
+
+
+def test_production_example_has_the_production_settings() -> None:
+    (xj,) = documents(ROOT / "examples" / "kimi-k2.5-production.yaml")
+    spec = ExtractionJobSpec.model_validate(xj["spec"])
+    assert spec.tensor_parallel() == 8 and spec.server.gpus == 8
+    assert spec.server.shmSize != ExtractionJobSpec.model_fields["server"].default_factory().shmSize  # type: ignore[misc]
+    assert spec.scheduling.tolerations and spec.scheduling.queueName
+    assert spec.output.uri.startswith("s3://") and spec.output.credentialsSecret == "hsx-s3-credentials"
+    assert spec.output.compression == "bf16-zstd"
+
+
+def test_data_parallel_example_is_data_parallel() -> None:
+    (xj,) = documents(ROOT / "examples" / "data-parallel.yaml")
+    spec = ExtractionJobSpec.model_validate(xj["spec"])
+    assert spec.parallelism > 1 and spec.server.gpus // spec.tensor_parallel() > 1
+
+
+def test_examples_use_the_secret_template_name() -> None:
+    (secret,) = documents(ROOT / "examples" / "s3-credentials-secret.yaml")
+    assert set(secret["stringData"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    for path in EXAMPLES:
+        for doc in documents(path):
+            if doc["kind"] == "ExtractionJob":
+                assert doc["spec"]["output"].get("credentialsSecret") == secret["metadata"]["name"], path.name
+
+
+@pytest.fixture(scope="module")
+def crds(kube_cluster: Any) -> None:
+    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
+    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/extractionjobs.hsx.dev")
+
+
+def dry_run(kube_cluster: Any, namespace: str, doc: dict[str, Any]) -> Any:
+    body = copy.deepcopy(doc)
+    body["metadata"]["namespace"] = namespace
+    return kube_cluster.kubectl(
+        "apply",
+        "--dry-run=server",
+        "--validate=strict",
+        "-o",
+        "yaml",
+        "-f",
+        "-",
+        input=yaml.safe_dump(body),
+        check=False,
+    )
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_passes_the_api_server(kube_cluster: Any, namespace: str, crds: None, path: Path) -> None:
+    for doc in documents(path):
+        result = dry_run(kube_cluster, namespace, doc)
+        assert result.returncode == 0, result.stderr
+        assert "Warning" not in result.stderr, result.stderr
+        accepted = yaml.safe_load(result.stdout)
+        assert accepted["kind"] == doc["kind"] and accepted["metadata"]["namespace"] == namespace
+        if doc["kind"] == "ExtractionJob":
+            # The CRD's defaults were applied: the API server really used its schema.
+            assert accepted["spec"]["extractor"]["image"].startswith("ghcr.io/hsx-dev/hsx-extractor:")
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"server": {"gpus": 8, "tensorParallel": 3}}, "multiple of server.tensorParallel"),
+        ({"runId": "Not_Valid"}, "spec.runId"),
+        ({"outptu": {"uri": "s3://x/y"}}, "outptu"),
+    ],
+)
+def test_the_api_server_rejects_a_broken_example(
+    kube_cluster: Any, namespace: str, crds: None, change: dict[str, Any], message: str
+) -> None:
+    # Control: the dry runs above can fail.
+    (doc,) = documents(ROOT / "examples" / "minimal.yaml")
+    doc["spec"].update(change)
+    result = dry_run(kube_cluster, namespace, doc)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
