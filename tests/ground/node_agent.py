@@ -86,21 +86,21 @@ def unmount_leftovers(slot: int) -> None:
         _run(["umount", "-l", point])
 
 
-class ApiForwarder:
-    """Relays TCP from the pod bridge's host address to the API server on 127.0.0.1."""
+class TcpForwarder:
+    """Relays TCP from an address on the pod bridge to a port on the host's 127.0.0.1."""
 
-    def __init__(self, address: str, target_port: int):
+    def __init__(self, address: str, preferred_port: int, target_port: int):
         self._target = ("127.0.0.1", target_port)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            self._sock.bind((address, 443))
+            self._sock.bind((address, preferred_port))
         except OSError:
             self._sock.bind((address, 0))
         self.port = int(self._sock.getsockname()[1])
         self._sock.listen(64)
         self._closed = False
-        threading.Thread(target=self._accept, name="api-forwarder", daemon=True).start()
+        threading.Thread(target=self._accept, name=f"forward-{target_port}", daemon=True).start()
 
     def _accept(self) -> None:
         while not self._closed:
@@ -801,7 +801,8 @@ class NodeAgent:
         self.closing = False
         self._running = False
         self._threads: list[threading.Thread] = []
-        self._forwarder: ApiForwarder | None = None
+        self._forwarder: TcpForwarder | None = None
+        self._host_forwards: dict[int, TcpForwarder] = {}
 
     # ---- public API for tests ----------------------------------------------------------------------------
     def register_image(self, pattern: str, rewrite: Rewrite | None = None) -> None:
@@ -829,13 +830,21 @@ class NodeAgent:
     def running(self) -> bool:
         return self._running
 
+    def forward_host_port(self, port: int) -> str:
+        """`host:port` at which pods reach a server listening on the host's 127.0.0.1:`port` (e.g. S3)."""
+        with self._lock:
+            if port not in self._host_forwards:
+                self.net.ensure_bridge()
+                self._host_forwards[port] = TcpForwarder(self.net.gateway, port, port)
+            return f"{self.net.gateway}:{self._host_forwards[port].port}"
+
     def start(self) -> None:
         """Register the node (Ready), renew its Lease, run the pods bound to it."""
         if self._running:
             return
         self.net.ensure_bridge()
         if self._forwarder is None:
-            self._forwarder = ApiForwarder(self.net.gateway, self.cluster.port)
+            self._forwarder = TcpForwarder(self.net.gateway, 443, self.cluster.port)
         self._register_node()
         self._running = True
         self._threads = [
@@ -868,8 +877,9 @@ class NodeAgent:
         self.stop()
         self.closing = True
         self.probe_pool.shutdown(wait=False, cancel_futures=True)
-        if self._forwarder is not None:
-            self._forwarder.close()
+        for forwarder in [self._forwarder, *self._host_forwards.values()]:
+            if forwarder is not None:
+                forwarder.close()
         if not self.slot.others_alive():  # another agent's pods may use the same mount points
             self.host_dirs.remove_all()
         unmount_leftovers(self.net.slot)
