@@ -275,7 +275,10 @@ class ReferenceServer:
         elif kind == "error":
             protocol.write_error(self.dump_dir, rid, "test_fault", "deliberate error marker (test hook)")
         elif kind == "swap":
-            other = self._previous or self._reversed(rid, ids)
+            previous = self._previous
+            # Swapping with an identical prompt would be no fault at all: then use reversed ids.
+            differs = previous is not None and previous[1].tolist() != ran
+            other = previous if previous is not None and differs else self._reversed(rid, ids)
             o_meta, o_ids, o_aux, o_final = other
             # Named for this rid, holding the other request's bytes: what a misrouted dump looks like.
             protocol.write_dump(self.dump_dir, DumpMeta(rid, *_meta_tail(o_meta)), o_ids, o_aux, o_final)
