@@ -226,7 +226,7 @@ def read_error(path: str | os.PathLike[str]) -> dict[str, str]:
     return {str(k): str(v) for k, v in body.items()}
 
 
-_DTYPES = {"I32": np.dtype("<i4"), "BF16": np.dtype("<u2")}
+_DTYPES: dict[str, np.dtype[Any]] = {"I32": np.dtype("<i4"), "BF16": np.dtype("<u2")}
 
 
 def read_dump(path: str | os.PathLike[str]) -> Dump:
