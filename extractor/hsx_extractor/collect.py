@@ -107,12 +107,23 @@ def remove_with_prefix(dump_dir: str | os.PathLike[str], rid_prefix: str) -> int
 class Collector:
     """Waits for the dumps of rids the extractor sent, in a thread so reads never block the loop."""
 
-    def __init__(self, dump_dir: str | os.PathLike[str], poll_min: float = 0.002, poll_max: float = 0.05) -> None:
+    def __init__(
+        self,
+        dump_dir: str | os.PathLike[str],
+        poll_min: float = 0.002,
+        poll_max: float = 0.05,
+        stale_prefix: str | None = None,
+        own_prefix: str | None = None,
+    ) -> None:
         self.dump_dir = Path(dump_dir)
         self.poll_min = poll_min
         self.poll_max = poll_max
         # Rids given up on: a late dump for them is deleted when it appears, never used.
         self._abandoned: set[str] = set()
+        # Rids under stale_prefix but not own_prefix belong to a dead earlier process of this
+        # replica; the server may still finish its last requests after a restart.
+        self.stale_prefix = stale_prefix
+        self.own_prefix = own_prefix
 
     async def wait(self, rid: str, timeout: float) -> Arrival | Mismatch | None:
         """The rid's dump or error marker, or None if neither appeared within ``timeout`` seconds."""
@@ -133,8 +144,15 @@ class Collector:
         remove(self.dump_dir, rid)
 
     def sweep(self) -> int:
-        """Delete late arrivals of abandoned rids; returns how many files went."""
+        """Delete late arrivals of abandoned rids and of dead processes; returns how many files went."""
         gone = 0
+        if self.stale_prefix is not None:
+            for entry in os.scandir(self.dump_dir):
+                rid = protocol.rid_of(entry.name)
+                own = self.own_prefix is not None and rid is not None and rid.startswith(self.own_prefix)
+                if rid is not None and rid.startswith(self.stale_prefix) and not own:
+                    Path(entry.path).unlink(missing_ok=True)
+                    gone += 1
         for rid in list(self._abandoned):
             for path in (protocol.dump_path(self.dump_dir, rid), protocol.error_path(self.dump_dir, rid)):
                 if path.exists():

@@ -322,7 +322,9 @@ class _ShardWorker:
         self.shape = shape
         self.shards = shards
         self.shard_of = shard_of
-        self.collector = Collector(self.cfg.dumpDir)
+        self.collector = Collector(
+            self.cfg.dumpDir, stale_prefix=f"hsx-{run.rid_prefix}-", own_prefix=f"hsx-{run.run_key}-"
+        )
         self.commits: list[ShardCommit] = []
         # Samples between read and shard; twice the requests in flight keeps the server fed.
         self._active = asyncio.Semaphore(2 * self.cfg.concurrency)

@@ -167,3 +167,15 @@ def test_gate_trips_only_past_min_samples_and_rate() -> None:
         assert ok.verdict() is None  # never more than 1 in 4
     ok.record(True)
     assert ok.verdict() is not None  # window now holds 2 of 4
+
+
+def test_sweep_removes_a_dead_processes_late_dumps(tmp_path: Path) -> None:
+    c = Collector(tmp_path, stale_prefix="hsx-run-r0-", own_prefix="hsx-run-r0-new-")
+    for rid in ("hsx-run-r0-old-3-a0", "hsx-run-r0-new-3-a0", "hsx-run-r1-xyz-3-a0", "other"):
+        write(tmp_path, rid, [1])
+    assert c.sweep() == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "hsx-run-r0-new-3-a0.safetensors",
+        "hsx-run-r1-xyz-3-a0.safetensors",
+        "other.safetensors",
+    ]
