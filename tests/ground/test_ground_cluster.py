@@ -284,7 +284,7 @@ def test_two_pods_listen_on_the_same_port(kube_cluster, node, namespace):
             "ports": [{"name": "http", "containerPort": 8080}],
             "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1},
         }
-        return pod_manifest(name, namespace, [container], terminationGracePeriodSeconds=5)
+        return pod_manifest(name, namespace, [container], terminationGracePeriodSeconds=2)
 
     apply(kube_cluster, server_pod("web-a"), server_pod("web-b"))
     for name in ("web-a", "web-b"):
