@@ -19,7 +19,7 @@ from typing import Any, Final
 import numpy as np
 import xxhash
 
-from hsx_extractor.compress import CODEC_RAW, CODECS, CodecError, decode_bf16, encode_bf16
+from hsx_extractor.compress import CODEC_RAW, CODECS, CodecError, decode_bf16_array, encode_bf16_parts
 
 FORMAT_VERSION: Final = "hsx-shard/1"
 COMMIT_VERSION: Final = "hsx-commit/1"
@@ -35,7 +35,11 @@ TENSOR_ORDER: Final = (INPUT_IDS, LOSS_MASK, AUX, FINAL)
 PAD: Final = "pad"
 ALIGN: Final = 8
 MAX_HEADER_BYTES: Final = 100_000_000  # safetensors' own limit
-_DTYPES: Final = {"I32": np.dtype("<i4"), "U8": np.dtype("u1"), "BF16": np.dtype("<u2")}
+_DTYPES: Final[dict[str, np.dtype[Any]]] = {
+    "I32": np.dtype("<i4"),
+    "U8": np.dtype("u1"),
+    "BF16": np.dtype("<u2"),
+}
 
 
 class ShardFormatError(ValueError):
@@ -202,20 +206,19 @@ def encode_sample(rec: SampleRecord, codec: str) -> EncodedSample:
     """Stored bytes of one sample; hidden states with ``codec``, ids and mask raw."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
-    parts: list[bytes] = []
+    parts: list[bytes | memoryview] = []
     tensors: list[TensorEntry] = []
     offset = 0
     for name, array in rec.tensors().items():
         if _LOGICAL_DTYPE[name] == "BF16":
-            used, stored = encode_bf16(array, codec)
+            used, stored = encode_bf16_parts(array, codec)
         else:
-            used, stored = (
-                CODEC_RAW,
-                np.ascontiguousarray(array).astype(_DTYPES[_LOGICAL_DTYPE[name]]).tobytes(),
-            )
-        tensors.append(TensorEntry(name, _LOGICAL_DTYPE[name], tuple(array.shape), used, offset, len(stored)))
-        parts.append(stored)
-        offset += len(stored)
+            raw = np.ascontiguousarray(array, dtype=_DTYPES[_LOGICAL_DTYPE[name]])
+            used, stored = CODEC_RAW, [memoryview(raw).cast("B")]
+        length = sum(memoryview(p).nbytes for p in stored)
+        tensors.append(TensorEntry(name, _LOGICAL_DTYPE[name], tuple(array.shape), used, offset, length))
+        parts += stored
+        offset += length
     parts.append(b"\0" * (-offset % ALIGN))
     payload = b"".join(parts)
     entry = SampleEntry(
@@ -235,20 +238,23 @@ def decode_sample(stored: bytes | memoryview, entry: SampleEntry, verify: bool =
     for t in entry.tensors:
         chunk = view[t.offset : t.offset + t.length]
         try:
-            raw = decode_bf16(t.codec, chunk, t.num_values) if t.dtype == "BF16" else bytes(chunk)
+            if t.dtype == "BF16":
+                flat = decode_bf16_array(t.codec, chunk, t.num_values)
+            elif t.codec == CODEC_RAW and len(chunk) == t.raw_length:
+                flat = np.frombuffer(chunk, dtype=_DTYPES[t.dtype]).copy()
+            else:
+                raise CodecError(f"{t.dtype} tensor stored as {t.codec} with {len(chunk)} bytes")
         except CodecError as exc:
             raise ShardFormatError(f"sample {entry.index}: tensor {t.name}: {exc}") from exc
-        if len(raw) != t.raw_length:
-            raise ShardFormatError(f"sample {entry.index}: tensor {t.name} holds {len(raw)} bytes")
-        arrays[t.name] = np.frombuffer(raw, dtype=_DTYPES[t.dtype]).reshape(t.shape)
+        arrays[t.name] = flat.reshape(t.shape)
     try:
         return SampleRecord(
             entry.index,
             entry.sample_id,
-            arrays[INPUT_IDS].astype(np.int32),
+            arrays[INPUT_IDS].astype(np.int32, copy=False),
             arrays[LOSS_MASK],
-            arrays[AUX].astype(np.uint16),
-            arrays[FINAL].astype(np.uint16),
+            arrays[AUX].astype(np.uint16, copy=False),
+            arrays[FINAL].astype(np.uint16, copy=False),
         )
     except (KeyError, ValueError) as exc:
         raise ShardFormatError(f"sample {entry.index}: {exc}") from exc

@@ -51,8 +51,9 @@ def test_activations_compress_and_noise_falls_back_to_raw() -> None:
 def test_planes_split_high_and_low_bytes() -> None:
     values = np.array([0x3F80, 0xC0A1], dtype=np.uint16)  # 1.0 and about -5.03
     high, low = split_planes(values)
-    assert high == b"\x3f\xc0" and low == b"\x80\xa1"
-    assert join_planes(high, low) == values.tobytes()
+    assert high.tobytes() == b"\x3f\xc0" and low.tobytes() == b"\x80\xa1"
+    assert join_planes(high, low).tobytes() == values.tobytes()
+    assert join_planes(high.tobytes(), low.tobytes()).tobytes() == values.tobytes()
 
 
 def test_damaged_frame_is_a_codec_error() -> None:
