@@ -1,0 +1,91 @@
+"""`make dev-cluster` starts a usable ground in the foreground and leaves nothing behind on Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.ground.tools import tool_path
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def read_until(proc: subprocess.Popen[str], marker: str, timeout_s: float) -> str:
+    """Collect stdout until a line containing `marker` (AssertionError with the output so far if not)."""
+    assert proc.stdout is not None
+    seen: list[str] = []
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not selector.select(timeout=1.0):
+            if proc.poll() is not None:
+                break
+            continue
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if marker in line:
+            return "".join(seen)
+    raise AssertionError(f"dev-cluster never printed {marker!r}; output:\n{''.join(seen)}")
+
+
+def processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_dev_cluster_serves_and_stops_cleanly(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("dev-cluster needs root")
+    workdir = tmp_path / "dev"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.ground.devcluster", "--workdir", str(workdir)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        banner = read_until(proc, "Ctrl-C stops everything", 180)
+        kubeconfig = re.search(r"export KUBECONFIG=(\S+)", banner)
+        assert kubeconfig, banner
+        nodes = subprocess.run(
+            [str(tool_path("kubectl")), "--kubeconfig", kubeconfig.group(1), "get", "nodes", "-o", "json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        [node] = json.loads(nodes.stdout)["items"]
+        ready = next(c for c in node["status"]["conditions"] if c["type"] == "Ready")
+        assert ready["status"] == "True"
+        assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"
+        assert "S3 endpoint: http://127.0.0.1:" in banner
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, rest
+    assert "nothing left running" in rest
+    assert processes_mentioning(str(workdir)) == []
