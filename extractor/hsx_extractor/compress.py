@@ -78,14 +78,14 @@ def encode_bf16_parts(values: np.ndarray, codec: str) -> tuple[str, list[bytes |
     """Like :func:`encode_bf16`, but the stored bytes as buffers to concatenate (saves a copy)."""
     bits = _as_bf16_bits(values)
     if codec == CODEC_RAW or bits.size == 0:
-        return CODEC_RAW, [memoryview(bits).cast("B")]
+        return CODEC_RAW, [bits.data.cast("B")]
     if codec != CODEC_BF16_SPLIT_ZSTD:
         raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
     high, low = split_planes(bits)
-    frame = _cctx().compress(memoryview(high))
+    frame = _cctx().compress(high.data)
     if len(frame) + low.size >= 2 * bits.size:  # does not pay: store raw
-        return CODEC_RAW, [memoryview(bits).cast("B")]
-    return CODEC_BF16_SPLIT_ZSTD, [frame, memoryview(low)]
+        return CODEC_RAW, [bits.data.cast("B")]
+    return CODEC_BF16_SPLIT_ZSTD, [frame, low.data]
 
 
 def encode_bf16(values: np.ndarray, codec: str) -> tuple[str, bytes]:

@@ -214,7 +214,7 @@ def encode_sample(rec: SampleRecord, codec: str) -> EncodedSample:
             used, stored = encode_bf16_parts(array, codec)
         else:
             raw = np.ascontiguousarray(array, dtype=_DTYPES[_LOGICAL_DTYPE[name]])
-            used, stored = CODEC_RAW, [memoryview(raw).cast("B")]
+            used, stored = CODEC_RAW, [raw.data.cast("B")]
         length = sum(memoryview(p).nbytes for p in stored)
         tensors.append(TensorEntry(name, _LOGICAL_DTYPE[name], tuple(array.shape), used, offset, length))
         parts += stored
