@@ -374,11 +374,14 @@ def namespace(kube_cluster: KubeCluster) -> Iterator[str]:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    """Attach the control plane's log tails to a failed test that used it."""
+    """Attach the control plane's and the node's log tails to a failed test that used them."""
     report = yield
-    cluster = getattr(item, "funcargs", {}).get("kube_cluster")
+    used = getattr(item, "funcargs", {})
+    cluster, agent = used.get("kube_cluster"), used.get("node_agent")
     if report.failed and isinstance(cluster, KubeCluster):
         report.sections.append(("control plane logs", cluster.log_tails()))
+    if report.failed and hasattr(agent, "log_tails"):
+        report.sections.append(("node agent container logs", agent.log_tails()))
     return report
 
 

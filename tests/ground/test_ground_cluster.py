@@ -479,3 +479,60 @@ def test_user_kubeconfig_file_is_a_usable_identity(kube_cluster):
     info = json.loads(whoami.stdout)["status"]["userInfo"]
     assert info["username"] == "system:serviceaccount:x:y"
     assert "system:authenticated" in info["groups"]
+
+
+def test_exec_readiness_probe_runs_inside_the_container(kube_cluster, node, namespace):
+    # /ready exists only in the container's mount namespace: the probe passes only if it runs in there.
+    container = {
+        "name": "slow-start",
+        "image": IMAGE,
+        "command": ["sh", "-c", "sleep 1; touch /ready/flag; exec sleep 1000"],
+        "volumeMounts": [{"name": "ready", "mountPath": "/ready"}],
+        "readinessProbe": {"exec": {"command": ["cat", "/ready/flag"]}, "periodSeconds": 1},
+    }
+    pod = pod_manifest(
+        "exec-probe",
+        namespace,
+        [container],
+        volumes=[{"name": "ready", "emptyDir": {}}],
+        terminationGracePeriodSeconds=1,
+    )
+    apply(kube_cluster, pod)
+    kube_cluster.kubectl("wait", "--for=condition=Ready", "pod/exec-probe", "-n", namespace, "--timeout=60s")
+    assert not Path("/ready/flag").exists()
+    kube_cluster.kubectl("delete", "pod", "exec-probe", "-n", namespace, "--timeout=60s")
+
+
+def test_job_active_deadline_deletes_the_running_pod(kube_cluster, node, namespace):
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "forever", "namespace": namespace},
+        "spec": {
+            "activeDeadlineSeconds": 3,
+            "backoffLimit": 0,
+            "template": {
+                "spec": {
+                    "restartPolicy": "Never",
+                    "terminationGracePeriodSeconds": 1,
+                    "containers": [{"name": "main", "image": IMAGE, "command": ["sleep", "1000"]}],
+                }
+            },
+        },
+    }
+    apply(kube_cluster, job)
+
+    def failed_reason() -> str | None:
+        conditions = (
+            get_json(kube_cluster, "job", "forever", "-n", namespace).get("status", {}).get("conditions", [])
+        )
+        return next(
+            (c.get("reason") for c in conditions if c["type"] == "Failed" and c["status"] == "True"), None
+        )
+
+    assert wait_for(failed_reason, 60, "the Job to fail on its deadline") == "DeadlineExceeded"
+    wait_for(
+        lambda: not get_json(kube_cluster, "pods", "-n", namespace, "-l", "job-name=forever")["items"],
+        60,
+        "the Job controller's delete of the pod to be carried out by the node",
+    )
