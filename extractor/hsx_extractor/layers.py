@@ -17,7 +17,8 @@ source by tests/sglang/test_layers_source.py) captures at layer inputs:
 
 The model's forward loop tests ``i in layers_to_capture`` while walking the layers, so captures
 come out in ascending layer order with repeats collapsed, whatever order the ids were given in;
-nothing follows the last layer, so its output cannot be captured (gpt-oss is the exception).
+nothing follows the last layer, so its output cannot be captured (gpt-oss and MiniMax-M3 also
+capture after it).
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ DEEPSEEK_STYLE = frozenset(
         "MistralLarge3ForCausalLM",
     }
 )
+# Architectures whose setter shifts EAGLE-3's default layers by one as well.
+DEFAULT_SHIFTED = frozenset({"MiniMaxM3SparseForConditionalGeneration"})
 # Architectures whose forward also captures after the last layer (pre-norm final state).
-CAPTURES_AFTER_LAST_LAYER = frozenset({"GptOssForCausalLM"})
+CAPTURES_AFTER_LAST_LAYER = frozenset({"GptOssForCausalLM", "MiniMaxM3SparseForCausalLM"})
 
 
 def default_capture_layers(num_layers: int) -> list[int]:
@@ -50,7 +53,8 @@ def default_capture_layers(num_layers: int) -> list[int]:
 def capture_layers(architecture: str, num_layers: int, layer_ids: Sequence[int] | None) -> list[int]:
     """The capture layers (layer-input indices, in capture order) SGLang 0.5.23 uses for ``layer_ids``."""
     if not layer_ids:
-        return default_capture_layers(num_layers)
+        default = default_capture_layers(num_layers)
+        return [j + 1 for j in default] if architecture in DEFAULT_SHIFTED else default
     ids = [int(i) for i in layer_ids]
     if len(set(ids)) != len(ids) or min(ids) < 0:
         raise ValueError(f"layer ids {ids} must be distinct and non-negative")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from array import array
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -78,7 +79,9 @@ def expected_bits(rid: str, length: int, width: int) -> np.ndarray:
     return rows_for(rid, length, width).view(torch.int16).numpy().view(np.uint16)
 
 
-def make_processor(module: Any, architecture: str = "LlamaForCausalLM", model: Any = None) -> Any:
+def make_processor(
+    module: Any, architecture: str = "LlamaForCausalLM", model: Any = None, num_layers: int = NUM_LAYERS
+) -> Any:
     """The real ``SchedulerBatchResultProcessor`` with stand-ins for its collaborators."""
     cls = module.SchedulerBatchResultProcessor
     kwargs: dict[str, Any] = {f.name: Anything(f.name) for f in dataclasses.fields(cls)}
@@ -88,7 +91,7 @@ def make_processor(module: Any, architecture: str = "LlamaForCausalLM", model: A
         enable_overlap_mlx=False,
         model_config=SimpleNamespace(
             hf_config=SimpleNamespace(architectures=[architecture]),
-            hf_text_config=SimpleNamespace(num_hidden_layers=NUM_LAYERS),
+            hf_text_config=SimpleNamespace(num_hidden_layers=num_layers),
             self_opened_think_start_ids=None,
             think_end_ids=None,
         ),
@@ -102,18 +105,25 @@ def run_prefill(
     parts: RealParts,
     chunks: list[Chunk],
     k: int = len(DEFAULT_CAPTURE),
-    aux_override: torch.Tensor | None = None,
+    states: Callable[[StandInReq], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> None:
-    """One prefill forward's result through SGLang's real ``process_batch_result_prefill``."""
+    """One prefill forward's result through SGLang's real ``process_batch_result_prefill``.
+
+    ``states(req)`` gives a request's whole aux ``[L, K*H]`` and final ``[L, H]`` rows (default:
+    deterministic random rows); each chunk contributes its slice, as the model's forward would.
+    """
+
+    def synthetic(req: StandInReq) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(req.origin_input_ids)
+        return rows_for(req.rid, n, k * HIDDEN), rows_for(req.rid, n, HIDDEN)
+
+    states = states or synthetic
     for c in chunks:
         if c.middle:
             c.req.inflight_middle_chunks += 1  # what Scheduler.get_new_batch_prefill does
-    aux = torch.cat(
-        [rows_for(c.req.rid, len(c.req.origin_input_ids), k * HIDDEN)[c.start : c.end] for c in chunks]
-    )
-    final = torch.cat(
-        [rows_for(c.req.rid, len(c.req.origin_input_ids), HIDDEN)[c.start : c.end] for c in chunks]
-    )
+    whole = [states(c.req) for c in chunks]
+    aux = torch.cat([a[c.start : c.end] for c, (a, _) in zip(chunks, whole, strict=True)])
+    final = torch.cat([f[c.start : c.end] for c, (_, f) in zip(chunks, whole, strict=True)])
     full = parts.capture_mode.FULL
     batch = SimpleNamespace(
         reqs=[c.req for c in chunks],
@@ -133,7 +143,7 @@ def run_prefill(
         indexer_topk_output=None,
         logits_output=parts.logits_output(
             next_token_logits=None,
-            hidden_states=aux if aux_override is None else aux_override,
+            hidden_states=aux,
             last_hidden_states=final,
         ),
         next_token_ids=torch.arange(len(chunks)) + 100,
