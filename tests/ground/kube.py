@@ -380,8 +380,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     cluster, agent = used.get("kube_cluster"), used.get("node_agent")
     if report.failed and isinstance(cluster, KubeCluster):
         report.sections.append(("control plane logs", cluster.log_tails()))
-    if report.failed and hasattr(agent, "log_tails"):
-        report.sections.append(("node agent container logs", agent.log_tails()))
+    agent_tails = getattr(agent, "log_tails", None)
+    if report.failed and callable(agent_tails):
+        report.sections.append(("node agent container logs", agent_tails()))
     return report
 
 
