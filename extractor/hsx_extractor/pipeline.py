@@ -497,7 +497,7 @@ def describe_failure(exc: BaseException) -> tuple[str, int]:
     """Message and exit code for any error that ends a run."""
     if isinstance(exc, RunFailed):
         return str(exc), exc.exit_code
-    if isinstance(exc, PermanentStoreError):
+    if isinstance(exc, PermanentStoreError | DatasetError):
         return str(exc), EXIT_PERMANENT
     if isinstance(exc, StoreError):
         return str(exc), exc.exit_code
