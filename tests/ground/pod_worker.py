@@ -109,6 +109,9 @@ class PodWorker(threading.Thread):
             container(c, "sidecar" if is_sidecar(c) else "init") for c in spec.get("initContainers", [])
         ]
         self.main = [container(c, "main") for c in spec["containers"]]
+        if self.init:
+            for c in self.main:
+                c.status.reason = "PodInitializing"
         self.pod_dir = agent.workdir / "pods" / self.uid
         self.volume_dirs: dict[str, Path] = {}
         self.memory_mounts: list[Path] = []
