@@ -1,0 +1,1 @@
+"""hsx benchmarks: `make bench` runs them all (python -m bench)."""
