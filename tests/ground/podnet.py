@@ -89,7 +89,7 @@ class PodNetwork:
             _ip(*inside, "link", "set", "lo", "up")
             _ip(*inside, "addr", "add", f"{address}/24", "dev", "eth0")
             _ip(*inside, "link", "set", "eth0", "up")
-            _ip(*inside, "route", "add", "default", "via", self.gateway)
+            # No default route on purpose: a pod reaches its /24 (the host end included) and nothing beyond.
         except Exception:
             delete_pod_network(netns, veth)
             raise

@@ -322,6 +322,7 @@ def test_env_and_volumes_from_the_api(kube_cluster, node, namespace):
         echo "scratch=$(stat -f -c %T /scratch) workdir=$(pwd)"
         if touch /etc/sec/extra 2>/dev/null; then echo secret-writable; else echo secret-read-only; fi
         test -s /var/run/secrets/kubernetes.io/serviceaccount/token && echo token-present
+        echo "default-routes=$(ip route show default | wc -l)"
     """
     container = {
         "name": "show",
@@ -367,6 +368,7 @@ def test_env_and_volumes_from_the_api(kube_cluster, node, namespace):
         "scratch=tmpfs workdir=/scratch/work",
         "secret-read-only",
         "token-present",
+        "default-routes=0",  # pods reach their own subnet only
     ]
 
 
