@@ -92,9 +92,11 @@ class S3TransferConfig:
 
 def make_client(output: OutputSpec, config: S3TransferConfig) -> Any:
     """A boto3 S3 client: credentials from the AWS chain, optional endpoint and path style."""
+    # Without pathStyle the AWS config chain decides (s3.addressing_style in ~/.aws/config).
+    s3_options = {"addressing_style": "path"} if output.pathStyle else None
     client_config = botocore.config.Config(
         region_name=output.region,
-        s3={"addressing_style": "path" if output.pathStyle else "auto"},
+        s3=s3_options,
         retries={"total_max_attempts": 1},
         max_pool_connections=config.concurrency + 8,
         connect_timeout=config.connect_timeout,

@@ -20,14 +20,32 @@ import random
 import threading
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 FAULTS = ("error", "reset_before", "reset_after", "slow")
-_SLOWDOWN = (
-    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-    b"<Message>Injected by the test fault proxy</Message></Error>"
-)
+
+
+def _error_response(status: int, code: str) -> bytes:
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+        "<Message>Injected by the test fault proxy</Message></Error>"
+    ).encode()
+    head = (
+        f"HTTP/1.1 {status} Injected\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+@dataclass
+class Injection:
+    """Answer the first ``times`` requests matching method and target text with an S3 error."""
+
+    method: str
+    target_contains: str
+    status: int
+    code: str
+    times: int = 1
 
 
 @dataclass
@@ -39,6 +57,7 @@ class FaultPlan:
     faults: tuple[str, ...] = FAULTS
     slow_seconds: float = 0.3
     slow_matching: str | None = None
+    injections: list[Injection] = field(default_factory=list)
 
 
 async def _read_head(reader: asyncio.StreamReader) -> bytes | None:
@@ -91,6 +110,14 @@ class FaultProxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self.endpoint = ""
 
+    def _injected(self, method: str, target: str) -> Injection | None:
+        for injection in self.plan.injections:
+            if injection.times > 0 and method == injection.method and injection.target_contains in target:
+                injection.times -= 1
+                self.counts[f"injected {injection.status} {injection.code}"] += 1
+                return injection
+        return None
+
     def _pick(self, target: str) -> str | None:
         self.counts["requests"] += 1
         if self._random.random() >= self.plan.rate:
@@ -133,13 +160,14 @@ class FaultProxy:
                     writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                     await writer.drain()
                 body = await _read_body(reader, fields, until_eof=False)
+                injected = self._injected(method, target)
+                if injected is not None:
+                    writer.write(_error_response(injected.status, injected.code))
+                    await writer.drain()
+                    continue
                 fault = self._pick(target)
                 if fault == "error":
-                    writer.write(
-                        b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
-                        + f"Content-Length: {len(_SLOWDOWN)}\r\n\r\n".encode()
-                        + _SLOWDOWN
-                    )
+                    writer.write(_error_response(503, "SlowDown"))
                     await writer.drain()
                     continue
                 if fault == "reset_before":
