@@ -93,7 +93,7 @@ class S3TransferConfig:
 def make_client(output: OutputSpec, config: S3TransferConfig) -> Any:
     """A boto3 S3 client: credentials from the AWS chain, optional endpoint and path style."""
     # Without pathStyle the AWS config chain decides (s3.addressing_style in ~/.aws/config).
-    s3_options = {"addressing_style": "path"} if output.pathStyle else None
+    s3_options: Any = {"addressing_style": "path"} if output.pathStyle else None
     client_config = botocore.config.Config(
         region_name=output.region,
         s3=s3_options,
