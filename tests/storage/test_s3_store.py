@@ -242,3 +242,21 @@ def test_dataset_lines_from_s3(s3_env: S3Server, s3_bucket: str) -> None:
     assert b"".join(lines) == rows + b'{"id": "last"}' and len(lines) == 6
     with pytest.raises(PermanentStoreError):
         list(open_uri_lines(f"s3://{s3_bucket}/data/missing.jsonl", spec))
+
+
+def test_reader_in_dataloader_workers(s3_env: S3Server, s3_bucket: str) -> None:
+    """Each worker process opens its own client; the dataset also survives pickling (spawn)."""
+    import pickle
+
+    import torch.utils.data
+
+    spec = _spec(s3_env, s3_bucket)
+    store = open_store(spec, "loader")
+    write_run(store, plan_for(10, 4), hidden=32)
+    store.finalize({})
+    dataset = HiddenStatesDataset(f"s3://{s3_bucket}/team/out/loader", output=spec)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2)
+    lengths = [item["input_ids"].shape[0] for item in loader]
+    assert lengths == [seq_len_of(i) for i in range(10)]
+    clone = pickle.loads(pickle.dumps(dataset))
+    assert clone[3]["aux_hidden_state"].shape == (1, seq_len_of(3), 96)
