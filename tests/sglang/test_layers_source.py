@@ -37,7 +37,9 @@ def _index(src: Path) -> tuple[dict[tuple[Path | None, str], tuple[ast.ClassDef,
             if isinstance(node, ast.ClassDef):
                 classes[(path, node.name)] = (node, path)
                 classes.setdefault((None, node.name), (node, path))
-            elif isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "EntryClass" for t in node.targets):
+            elif isinstance(node, ast.Assign) and any(
+                getattr(t, "id", "") == "EntryClass" for t in node.targets
+            ):
                 names = node.value.elts if isinstance(node.value, ast.List) else [node.value]
                 entries.update({n.id: path for n in names if isinstance(n, ast.Name)})
     return classes, entries
@@ -111,7 +113,11 @@ def test_every_eagle3_setter_agrees_with_layers_py(sglang_src: Path) -> None:
         for ids in ID_SETS:
             try:
                 actual = _captured(setter, ids, after_last)
-            except (NameError, AttributeError, _PassesIdsOn) as exc:  # a global this test lacks, or an opaque inner model
+            except (
+                NameError,
+                AttributeError,
+                _PassesIdsOn,
+            ) as exc:  # a global this test lacks, or an opaque inner model
                 unrunnable.add(f"{arch}: {type(exc).__name__} {exc}")
                 break
             try:
@@ -119,10 +125,8 @@ def test_every_eagle3_setter_agrees_with_layers_py(sglang_src: Path) -> None:
             except ValueError:
                 predicted = "refused"
             asked = 3 if ids is None else len(ids)
-            if predicted == "refused":
-                ok = len(actual) < asked  # SGLang would capture fewer layers than named
-            else:
-                ok = predicted == actual
+            # Refusing is right exactly when SGLang would capture fewer layers than named.
+            ok = len(actual) < asked if predicted == "refused" else predicted == actual
             if not ok:
                 disagreements.append((arch, ids, actual, predicted))
         checked.append(arch)

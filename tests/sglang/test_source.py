@@ -101,7 +101,9 @@ def test_call_site_passes_store_only_for_committed_final_chunks(batch_result: as
     assert "hidden_state_offset = 0" in body
     assert "for i, (req, next_token_id) in enumerate(zip(batch.reqs, next_token_ids))" in body
     commit = next(
-        n for n in ast.walk(fn) if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "should_commit_output"
+        n
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "should_commit_output"
     )
     assert ast.unparse(commit.value) == (
         "not req.finished() and (not req.is_retracted) and (req.inflight_middle_chunks <= 0)"
@@ -114,7 +116,11 @@ def test_call_site_passes_store_only_for_committed_final_chunks(batch_result: as
 def test_processor_is_a_frozen_slotted_dataclass_with_model_access(batch_result: ast.ClassDef) -> None:
     [decorator] = batch_result.decorator_list
     assert ast.unparse(decorator) == "dataclass(kw_only=True, slots=True, frozen=True)"
-    fields = {n.target.id for n in batch_result.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    fields = {
+        n.target.id
+        for n in batch_result.body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
     assert {"model_config", "model_worker", "is_generation"} <= fields
 
 
@@ -141,7 +147,9 @@ def test_request_and_output_attributes_the_hook_reads(sglang_src: Path) -> None:
 
     lp = _tree(sglang_src, f"{SRT}/layers/logits_processor.py")
     out = _class(lp, "LogitsProcessorOutput")
-    fields = {n.target.id for n in out.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    fields = {
+        n.target.id for n in out.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
     assert {"hidden_states", "last_hidden_states"} <= fields
     # last_hidden_states is the post-norm final state of every token, kept only for aux capture.
     keep = _method(_class(lp, "LogitsProcessor"), "_get_last_hidden_states_to_store")
@@ -198,7 +206,9 @@ def test_overlap_scheduling_leaves_the_final_states_on_the_device(sglang_src: Pa
     """Why the hook stages ``last_hidden_states`` itself: SGLang's overlap copy moves only ``hidden_states``."""
     utils = _tree(sglang_src, f"{SRT}/managers/utils.py")
     copy = next(
-        n for n in ast.walk(utils) if isinstance(n, ast.FunctionDef) and n.name == "copy_to_cpu" and n.args.args[1:]
+        n
+        for n in ast.walk(utils)
+        if isinstance(n, ast.FunctionDef) and n.name == "copy_to_cpu" and n.args.args[1:]
     )
     src = ast.unparse(copy)
     assert "self.logits_output.hidden_states = _async_d2h(" in src

@@ -1,0 +1,51 @@
+# hsx images, one target each (no Docker engine in CI: hadolint checks this file, nothing builds it):
+#   docker build --target operator  -t ghcr.io/hsx-dev/hsx-operator:0.1.0  .
+#   docker build --target extractor -t ghcr.io/hsx-dev/hsx-extractor:0.1.0 .
+#   docker build --target sglang    -t ghcr.io/hsx-dev/hsx-sglang:0.1.0    .
+# Base tags are pinned; pin them by digest (name:tag@sha256:...) in a release pipeline.
+# SGLANG_IMAGE must carry the release in hsx_extractor/sglang_hook/launch.py (SGLANG_VERSION);
+# the sglang stage fails the build otherwise.
+ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
+ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.23
+
+# ---- hsx as a wheel (the only stage that sees the source) -----------------------------------
+FROM ${PYTHON_IMAGE} AS wheel
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY extractor ./extractor
+COPY operator ./operator
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# ---- common runtime: slim Python, an unprivileged user --------------------------------------
+FROM ${PYTHON_IMAGE} AS runtime
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin hsx
+
+# ---- operator: kopf + kubernetes client, no torch -------------------------------------------
+FROM runtime AS operator
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install "/wheels/hsx-0.1.0-py3-none-any.whl[operator]"
+USER 10001:10001
+ENTRYPOINT ["hsx-operator"]
+
+# ---- extractor: reads dumps, writes shards, talks to S3; no torch ---------------------------
+FROM runtime AS extractor
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install "/wheels/hsx-0.1.0-py3-none-any.whl[extractor]"
+USER 10001:10001
+ENTRYPOINT ["hsx"]
+
+# ---- sglang: the official release plus hsx's dump hook ---------------------------------------
+# Extraction mode is off unless SGLANG_HS_DUMP_DIR is set, so this image also serves normally.
+FROM ${SGLANG_IMAGE} AS sglang
+# --no-deps: the hook needs only numpy, which SGLang has; pip must never touch SGLang's torch.
+# Then: put the activation .pth into site-packages, refuse a base image with another SGLang,
+# and prove the .pth switches the hook on when the variable is set.
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir --no-deps /wheels/hsx-0.1.0-py3-none-any.whl \
+    && python3 -m hsx_extractor.sglang_hook install-pth \
+    && python3 -c "from hsx_extractor.sglang_hook import SGLANG_VERSION as pin; from hsx_extractor.sglang_hook.bootstrap import installed_sglang_version as v; assert v() == pin, f'base image has sglang {v()}, hsx pins {pin}'" \
+    && SGLANG_HS_DUMP_DIR=/tmp/hsx-check python3 -c "import sys; assert any(type(f).__name__ == 'HookFinder' for f in sys.meta_path), 'hook not active'"

@@ -1,0 +1,75 @@
+"""The server command and environment of extraction mode (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hsx_extractor.protocol import DUMP_DIR_ENV
+from hsx_extractor.sglang_hook import (
+    SGLANG_BASE_IMAGE,
+    SGLANG_VERSION,
+    is_extraction_env,
+    server_args,
+    server_env,
+)
+
+
+def _flag_value(argv: list[str], flag: str) -> list[str]:
+    i = argv.index(flag)
+    values = []
+    for a in argv[i + 1 :]:
+        if a.startswith("--"):
+            break
+        values.append(a)
+    return values
+
+
+def test_extraction_flags_and_layer_ids() -> None:
+    argv = server_args(
+        "/models/kimi", 8, 30000, [1, 29, 57], ["--trust-remote-code", "--mem-fraction-static", "0.8"]
+    )
+    assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
+    assert _flag_value(argv, "--model-path") == ["/models/kimi"]
+    assert _flag_value(argv, "--tp-size") == ["8"]
+    assert _flag_value(argv, "--host") == ["127.0.0.1"] and _flag_value(argv, "--port") == ["30000"]
+    assert "--enable-return-aux-hidden-states" in argv and _flag_value(argv, "--speculative-algorithm") == [
+        "EAGLE3"
+    ]
+    assert _flag_value(argv, "--return-aux-hidden-state-layer-ids") == ["1", "29", "57"]
+    assert "--disable-radix-cache" in argv and _flag_value(argv, "--chunked-prefill-size") == ["-1"]
+    assert argv[-3:] == ["--trust-remote-code", "--mem-fraction-static", "0.8"]
+    assert "--disable-cuda-graph" not in argv
+
+
+def test_default_layers_and_context_length() -> None:
+    argv = server_args("/m", 1, 31000, None, context_length=131072, host="0.0.0.0")
+    assert "--return-aux-hidden-state-layer-ids" not in argv
+    assert _flag_value(argv, "--context-length") == ["131072"] and _flag_value(argv, "--host") == ["0.0.0.0"]
+    assert server_env("/dev/shm/hsx", context_length=131072) == {
+        DUMP_DIR_ENV: "/dev/shm/hsx",
+        "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1",
+    }
+    assert server_env("/dev/shm/hsx") == {DUMP_DIR_ENV: "/dev/shm/hsx"}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"model_path": ""}, "model_path"),
+        ({"tp": 0}, "tp"),
+        ({"port": 70000}, "port"),
+        ({"layer_ids": [3, 3]}, "distinct"),
+        ({"extra_args": ["--disable-radix-cache"]}, "may not set --disable-radix-cache"),
+        ({"extra_args": ["--port=1"]}, "may not set --port"),
+        ({"chunked_prefill_size": 0}, "chunked_prefill_size"),
+    ],
+)
+def test_bad_input_is_refused(kwargs: dict, match: str) -> None:
+    args = {"model_path": "/m", "tp": 8, "port": 30000} | kwargs
+    with pytest.raises(ValueError, match=match):
+        server_args(**args)
+
+
+def test_pin_and_switch() -> None:
+    assert SGLANG_VERSION == "0.5.23" and SGLANG_BASE_IMAGE == "lmsysorg/sglang:v0.5.23"
+    assert is_extraction_env({DUMP_DIR_ENV: "/dev/shm/hsx"}) and not is_extraction_env({DUMP_DIR_ENV: ""})
