@@ -62,14 +62,19 @@ def look(dump_dir: str | os.PathLike[str], rid: str) -> Arrival | Mismatch | Non
 
 
 def check_collected(
-    arrival: Arrival | Mismatch, rid: str, sent_ids: np.ndarray, hidden_size: int, num_aux: int
+    arrival: Arrival | Mismatch,
+    rid: str,
+    sent_ids: np.ndarray,
+    hidden_size: int,
+    num_aux: int,
+    capture_layers: tuple[int, ...] | None = None,
 ) -> Dump | Mismatch:
     """The dump if it is exactly the sample sent as ``rid``, else why not."""
     if isinstance(arrival, Mismatch):
         return arrival
     if isinstance(arrival, ServerRefused):
         return Mismatch(Reason.SERVER_ERROR, f"server: {arrival.reason}: {arrival.message}")
-    return check_dump(rid, sent_ids, arrival.dump, hidden_size, num_aux) or arrival.dump
+    return check_dump(rid, sent_ids, arrival.dump, hidden_size, num_aux, capture_layers) or arrival.dump
 
 
 def remove(dump_dir: str | os.PathLike[str], rid: str) -> None:

@@ -419,7 +419,7 @@ class _ShardWorker:
                 continue
             checked = await asyncio.to_thread(
                 collect.check_collected, arrival, rid, sample.input_ids, self.shape.hidden_size,
-                len(self.shape.capture_layers),
+                len(self.shape.capture_layers), self.shape.capture_layers,
             )
             if isinstance(checked, Mismatch):
                 collect.remove(self.cfg.dumpDir, rid)

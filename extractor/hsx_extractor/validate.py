@@ -35,13 +35,26 @@ def count_non_finite(bf16_bits: np.ndarray) -> int:
     return int(np.count_nonzero((bf16_bits & _BF16_EXPONENT) == _BF16_EXPONENT))
 
 
-def check_dump(rid: str, sent_ids: np.ndarray, dump: Dump, hidden_size: int, num_aux: int) -> Mismatch | None:
-    """None when ``dump`` is exactly the sample sent as ``rid``; otherwise the mismatch."""
+def check_dump(
+    rid: str,
+    sent_ids: np.ndarray,
+    dump: Dump,
+    hidden_size: int,
+    num_aux: int,
+    capture_layers: tuple[int, ...] | None = None,
+) -> Mismatch | None:
+    """None when ``dump`` is exactly the sample sent as ``rid``; otherwise the mismatch.
+
+    A dump of another shape, or of other layers than ``capture_layers`` (when given), raises
+    :class:`DumpShapeError`: that is a misconfigured server, not a bad sample."""
     meta = dump.meta
-    if meta.hidden_size != hidden_size or meta.num_aux != num_aux:
+    layers_differ = capture_layers is not None and tuple(meta.capture_layers) != tuple(capture_layers)
+    if meta.hidden_size != hidden_size or meta.num_aux != num_aux or layers_differ:
         raise DumpShapeError(
-            f"dump {rid}: hidden size {meta.hidden_size} with {meta.num_aux} capture layers "
-            f"{list(meta.capture_layers)}, the run expects hidden size {hidden_size} with {num_aux}"
+            f"dump {rid}: hidden size {meta.hidden_size}, capture layers {list(meta.capture_layers)}; "
+            f"the run expects hidden size {hidden_size}, "
+            + (f"capture layers {list(capture_layers)}" if capture_layers is not None else f"{num_aux} capture layers")
+            + " (from /get_model_info, else the model's config and EAGLE-3's default layers)"
         )
     if meta.rid != rid:
         return Mismatch(Reason.ID_MISMATCH, f"file for {rid} holds the dump of {meta.rid}")

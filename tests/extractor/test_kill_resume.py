@@ -1,5 +1,5 @@
-"""SIGKILL the extractor (a real `hsx extract` subprocess) at several points, restart it, and check
-that the verified output holds every good sample exactly once."""
+"""SIGKILL the extractor (a real `hsx extract` subprocess) at several points, SIGTERM it once,
+restart it, and check that the verified output holds every good sample exactly once."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from hsx_extractor.config import EXIT_OK
+from hsx_extractor.config import EXIT_OK, EXIT_TRANSIENT
 from hsx_extractor.tokens import ChatTokenizer
 
 from .helpers import RefServer, base_config, chat_rows, write_jsonl
@@ -45,15 +45,18 @@ def poll(port: int) -> Progress | None:
         return None
 
 
-def kill_when(proc: subprocess.Popen[bytes], port: int, condition: Callable[[Progress], bool]) -> Progress:
-    """SIGKILL ``proc`` as soon as its /progress satisfies ``condition``; the kill must land."""
+def kill_when(
+    proc: subprocess.Popen[bytes], port: int, condition: Callable[[Progress], bool], sig: int = signal.SIGKILL
+) -> Progress:
+    """Signal ``proc`` as soon as its /progress satisfies ``condition``; the signal must land."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"extractor ended before the kill point: {proc.stderr.read()!r}"  # type: ignore[union-attr]
         seen = poll(port)
         if seen is not None and condition(seen):
-            os.kill(proc.pid, signal.SIGKILL)
-            assert proc.wait(30) == -signal.SIGKILL
+            os.kill(proc.pid, sig)
+            # SIGTERM (eviction) is a clean, retryable stop: exit code EXIT_TRANSIENT.
+            assert proc.wait(60) == (-signal.SIGKILL if sig == signal.SIGKILL else EXIT_TRANSIENT)
             return seen
         time.sleep(0.01)
     proc.kill()
@@ -98,6 +101,10 @@ def test_sigkill_at_several_points_then_resume(
     for name, condition in kill_points:
         at = kill_when(start(config), port, condition)
         seen.append((name, at["samplesDone"], at["shardsCommitted"]))
+    at = kill_when(
+        start(config), port, lambda p: p["state"] == "running" and p["samplesDone"] >= 45, signal.SIGTERM
+    )
+    seen.append(("SIGTERM", at["samplesDone"], at["shardsCommitted"]))
     plan = json.loads((tmp_path / "out" / "killed" / "plan.json").read_text())
     assert len(plan["shards"]) >= 4, plan
     committed_before = {p.name for p in (tmp_path / "out" / "killed" / "commits").iterdir()}

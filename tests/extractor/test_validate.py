@@ -107,10 +107,17 @@ def test_damaged_dump_is_a_mismatch_not_a_crash(tmp_path: Path) -> None:
     assert isinstance(got, Mismatch) and got.reason == Reason.LENGTH_MISMATCH
 
 
-def test_other_shape_is_fatal(tmp_path: Path) -> None:
+def test_other_shape_or_layers_is_fatal(tmp_path: Path) -> None:
     write(tmp_path, "r1", [1, 2], hidden=16)
     with pytest.raises(DumpShapeError, match="hidden size 16"):
         checked(tmp_path, "r1", [1, 2])
+    write(tmp_path, "r2", [1, 2])
+    arrival = collect.look(tmp_path, "r2")
+    assert arrival is not None
+    sent = np.asarray([1, 2], np.int32)
+    assert not isinstance(collect.check_collected(arrival, "r2", sent, H, 3, LAYERS), Mismatch)
+    with pytest.raises(DumpShapeError, match=r"capture layers \[2, 4, 5\].*expects.*\[3, 5, 6\]"):
+        collect.check_collected(arrival, "r2", sent, H, 3, (3, 5, 6))
 
 
 def test_collector_correlates_by_rid_only(tmp_path: Path) -> None:
