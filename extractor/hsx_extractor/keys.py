@@ -4,7 +4,7 @@ Every key is built from validated components, so no input can produce ``..``, an
 key, or a key outside ``{prefix}/{runId}/``::
 
     {prefix}/{runId}/plan.json
-    {prefix}/{runId}/shards/shard-{k:06d}.safetensors
+    {prefix}/{runId}/shards/shard-{k:06d}-{checksum}.safetensors   (checksum: the shard's xxh3-64)
     {prefix}/{runId}/commits/shard-{k:06d}.json
     {prefix}/{runId}/manifest.json          (written last)
 """
@@ -30,6 +30,8 @@ _SEGMENT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._=+-]{0,254}$")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _COMMIT_RE = re.compile(r"^shard-(\d{6,7})\.json$")
+_SHARD_RE = re.compile(r"^shard-(\d{6,7})-([0-9a-f]{16})\.safetensors$")
+_CHECKSUM_RE = re.compile(r"^[0-9a-f]{16}$")
 
 
 class InvalidKeyError(ValueError):
@@ -136,8 +138,22 @@ class RunLayout:
     def commits_prefix(self) -> str:
         return f"{self.root}/{COMMITS_DIR}/"
 
-    def shard_key(self, shard_index: int) -> str:
-        return f"{self.shards_prefix}shard-{validate_shard_index(shard_index):06d}{SHARD_SUFFIX}"
+    def shard_prefix(self, shard_index: int) -> str:
+        """Common prefix of every object shard ``shard_index`` may be stored as."""
+        return f"{self.shards_prefix}shard-{validate_shard_index(shard_index):06d}-"
+
+    def shard_key(self, shard_index: int, checksum: str) -> str:
+        """Content-addressed: different bytes for one shard never share a key."""
+        if not _CHECKSUM_RE.match(checksum):
+            raise InvalidKeyError(f"shard checksum {checksum!r} must be 16 lowercase hex digits")
+        return f"{self.shard_prefix(shard_index)}{checksum}{SHARD_SUFFIX}"
+
+    def shard_of_key(self, key: str) -> int | None:
+        """The shard index a listed shard-object key names; None for anything else."""
+        if not key.startswith(self.shards_prefix):
+            return None
+        m = _SHARD_RE.match(key[len(self.shards_prefix) :])
+        return int(m.group(1)) if m else None
 
     def commit_key(self, shard_index: int) -> str:
         return f"{self.commits_prefix}shard-{validate_shard_index(shard_index):06d}{COMMIT_SUFFIX}"

@@ -54,6 +54,7 @@ class OutputReader:
         self._shards: list[int] = []
         self._starts: list[int] = []  # position of each shard's first sample in the flat order
         self._indices: list[tuple[int, ...]] = []
+        self._keys: dict[int, str] = {}
         total = 0
         for k in sorted(store.committed_shards()):
             commit = store.get_commit(k)
@@ -62,6 +63,7 @@ class OutputReader:
             self._shards.append(k)
             self._starts.append(total)
             self._indices.append(commit.sample_indices)
+            self._keys[k] = commit.key
             total += commit.samples
         self._len = total
         self._headers: dict[int, ShardHeader] = {}
@@ -97,7 +99,7 @@ class OutputReader:
         with self._lock:
             cached = self._headers.get(shard_index)
         if cached is None:
-            cached = store.read_header(shard_index)
+            cached = store.read_header(self._keys[shard_index])
             with self._lock:
                 self._headers[shard_index] = cached
         return cached
@@ -108,7 +110,7 @@ class OutputReader:
         entry = header.samples[within] if within < len(header.samples) else None
         if entry is None or entry.index != index:
             raise ShardFormatError(f"shard {shard}: header and commit record disagree at sample {index}")
-        return self._store().read_sample(shard, header, entry, verify=verify_checksums)
+        return self._store().read_sample(self._keys[shard], header, entry, verify=verify_checksums)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -442,6 +442,9 @@ class S3Backend:
             self.uploader._abort(key, upload_id)
         return len(uploads)
 
+    def delete(self, key: str) -> None:
+        self.retrier.call("DeleteObject", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=key))
+
     def iter_object(self, key: str, chunk_size: int) -> Iterator[bytes]:
         size = self.size(key)
         if size is None:

@@ -3,10 +3,15 @@
 A shard counts only once its *commit record* exists. Sealing a shard:
 
 1. create the shard object only if absent (S3: multipart completed with ``If-None-Match: *``;
-   local: ``link()`` of a finished temp file). If it already exists, compare headers: the header
-   lists every sample's checksum, so equal header + size means equal content -> success;
-   anything else is a :class:`ShardConflictError` and nothing is overwritten.
-2. create the commit record only if absent; an existing one must be byte-identical.
+   local: ``link()`` of a finished temp file). Its key holds the shard checksum, so only equal
+   content can share it; if it exists, compare headers (the header lists every sample's
+   checksum): equal header + size -> success, anything else is a :class:`ShardConflictError`.
+2. create the commit record only if absent. This one conditional write decides the shard: an
+   existing record must be identical, else :class:`ShardConflictError` (nothing is overwritten).
+
+A writer killed between 1 and 2 leaves an object no record names; the restarted writer may
+produce different bytes (GPU kernels are not bit-deterministic), which then land under a
+different key and commit normally. :meth:`Store.finalize` deletes such unreferenced objects.
 
 Resume needs no local state: :meth:`Store.committed_shards` lists commit records. The manifest
 is written last, by :meth:`Store.finalize`, once every shard in ``plan.json`` has a record.
@@ -102,6 +107,8 @@ class Backend(Protocol):
     def iter_object(self, key: str, chunk_size: int) -> Iterator[bytes]: ...
 
     def abort_uploads(self, prefix: str) -> int: ...
+
+    def delete(self, key: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -205,14 +212,15 @@ class ShardBuilder:
             header, placed = layout_shard(self.shard_index, (e for e, _ in self._entries.values()))
             regions = tuple((self._entries[e.index][1], e.length) for e in placed)
             source = SpooledObject(header, self._fd, regions)
+            shard_checksum = parse_header(header).header_checksum
             commit = ShardCommit(
                 shard_index=self.shard_index,
                 samples=len(placed),
                 quarantined=len(self._quarantine),
                 bytes_stored=source.size,
                 bytes_raw=sum(e.raw_bytes for e in placed),
-                key=self._store.layout.shard_key(self.shard_index),
-                checksum=parse_header(header).header_checksum,
+                key=self._store.layout.shard_key(self.shard_index, shard_checksum),
+                checksum=shard_checksum,
                 start=self.indices.start,
                 stop=self.indices.stop,
                 sample_indices=tuple(e.index for e in placed),
@@ -308,12 +316,14 @@ class Store:
             raise ValueError(
                 f"shard {shard_index}: indices must be a non-empty range with step 1, got {indices}"
             )
-        self.layout.shard_key(shard_index)  # validates the index
+        self.layout.shard_prefix(shard_index)  # validates the index
         return ShardBuilder(self, shard_index, indices, self.codec, self.spool_dir)
 
     def abort_stale_uploads(self, shard_index: int | None = None) -> int:
         """Abort unfinished uploads of one shard (or of every shard of this run)."""
-        prefix = self.layout.shard_key(shard_index) if shard_index is not None else self.layout.shards_prefix
+        prefix = (
+            self.layout.shard_prefix(shard_index) if shard_index is not None else self.layout.shards_prefix
+        )
         return self.backend.abort_uploads(prefix)
 
     def commit_shard(self, commit: ShardCommit, source: ObjectSource) -> None:
@@ -324,18 +334,24 @@ class Store:
             self._check_same_shard(commit)
         record = canonical_json(commit.to_json())
         commit_key = self.layout.commit_key(commit.shard_index)
-        if not self.backend.put_if_absent(commit_key, record):
-            existing = self.backend.get(commit_key)
-            if existing is None or json.loads(existing) != json.loads(record):
-                raise ShardConflictError(
-                    f"commit record {self.backend.description}/{commit_key} already exists with different "
-                    "content; another writer committed a different shard. Not overwriting."
-                )
+        if self.backend.put_if_absent(commit_key, record):
+            return
+        existing = self.backend.get(commit_key)
+        if existing is not None and json.loads(existing) == json.loads(record):
+            return  # an identical writer (or our own retried request) got there first
+        theirs = json.loads(existing).get("key") if existing else None
+        if theirs != commit.key:
+            self.backend.delete(commit.key)  # unreferenced: nobody will ever read it
+        raise ShardConflictError(
+            f"commit record {self.backend.description}/{commit_key} already exists with different "
+            f"content (it names {theirs!r}, we wrote {commit.key!r}): two writers produced different "
+            "data for one shard. Not overwriting; ours was discarded."
+        )
 
     def _check_same_shard(self, commit: ShardCommit) -> None:
         size = self.backend.size(commit.key)
         try:
-            header = self.read_header_key(commit.key) if size is not None else None
+            header = self.read_header(commit.key) if size is not None else None
         except ShardFormatError:
             header = None
         if size != commit.bytes_stored or header is None or header.header_checksum != commit.checksum:
@@ -347,24 +363,40 @@ class Store:
             )
 
     # -- reading ----------------------------------------------------------------------------
-    def read_header_key(self, key: str) -> ShardHeader:
+    def shard_object_key(self, shard: int | str) -> str:
+        """The object key of a committed shard (by index, via its commit record) or ``shard`` itself."""
+        if isinstance(shard, str):
+            return shard
+        commit = self.get_commit(shard)
+        if commit is None:
+            raise PermanentStoreError(f"shard {shard} of {self.description} has no commit record")
+        return commit.key
+
+    def read_header(self, shard: int | str) -> ShardHeader:
+        """The header of a shard object, given its key or the index of a committed shard."""
+        key = self.shard_object_key(shard)
         head = self.backend.get_range(key, 0, HEAD_PROBE_BYTES)
         total = header_length(head)
         if total > len(head):
             head += self.backend.get_range(key, len(head), total - len(head))
         return parse_header(head)
 
-    def read_header(self, shard_index: int) -> ShardHeader:
-        return self.read_header_key(self.layout.shard_key(shard_index))
-
     def read_sample(
-        self, shard_index: int, header: ShardHeader, entry: SampleEntry, verify: bool = True
+        self, shard: int | str, header: ShardHeader, entry: SampleEntry, verify: bool = True
     ) -> SampleRecord:
-        """One ranged read, then decode (and checksum unless ``verify`` is False)."""
-        data = self.backend.get_range(
-            self.layout.shard_key(shard_index), header.data_start + entry.offset, entry.length
-        )
+        """One ranged read (shard by key or committed index), then decode; checksummed unless ``verify`` is False."""
+        key = self.shard_object_key(shard)
+        data = self.backend.get_range(key, header.data_start + entry.offset, entry.length)
         return decode_sample(data, entry, verify=verify)
+
+    def unreferenced_shard_objects(self, commits: Iterable[ShardCommit]) -> list[str]:
+        """Shard objects no commit record names: left by attempts killed before their record."""
+        referenced = {c.key for c in commits}
+        return [
+            key
+            for key in self.backend.list_keys(self.layout.shards_prefix)
+            if self.layout.shard_of_key(key) is not None and key not in referenced
+        ]
 
     # -- the end ---------------------------------------------------------------------------
     def finalize(self, run_info: dict[str, Any]) -> dict[str, Any] | None:
@@ -390,6 +422,8 @@ class Store:
                 )
             commits.append(c)
         self.abort_stale_uploads()
+        for key in self.unreferenced_shard_objects(commits):  # every shard is committed: garbage
+            self.backend.delete(key)
         manifest = build_manifest(self.layout.run_id, self.output.compression, commits, run_info)
         return self.put_json_if_absent(MANIFEST_NAME, manifest)
 
@@ -512,6 +546,10 @@ class LocalBackend:
         with open(self._path(key), "rb") as f:
             while chunk := f.read(chunk_size):
                 yield chunk
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._path(key).unlink()
 
     def abort_uploads(self, prefix: str) -> int:
         # Temp files of writers killed mid-write; a live writer's temp file vanishes on link anyway.

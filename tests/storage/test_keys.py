@@ -9,7 +9,12 @@ from hsx_extractor.keys import InvalidKeyError, RunLayout, parse_output_uri, spl
 
 def test_layout_is_deterministic() -> None:
     layout = RunLayout("team/hsx", "run-1")
-    assert layout.shard_key(7) == "team/hsx/run-1/shards/shard-000007.safetensors"
+    assert (
+        layout.shard_key(7, "0123456789abcdef")
+        == "team/hsx/run-1/shards/shard-000007-0123456789abcdef.safetensors"
+    )
+    assert layout.shard_of_key(layout.shard_key(7, "0123456789abcdef")) == 7
+    assert layout.shard_of_key("team/hsx/run-1/shards/shard-000007.safetensors.tmp") is None
     assert layout.commit_key(7) == "team/hsx/run-1/commits/shard-000007.json"
     assert layout.manifest_key == "team/hsx/run-1/manifest.json"
     assert layout.shard_of_commit_key(layout.commit_key(123)) == 123
@@ -46,7 +51,9 @@ def test_bad_run_ids_and_shard_indices_are_rejected() -> None:
         with pytest.raises(InvalidKeyError):
             RunLayout("p", run_id)
     with pytest.raises(InvalidKeyError):
-        RunLayout("p", "r").shard_key(-1)
+        RunLayout("p", "r").shard_key(-1, "0123456789abcdef")
+    with pytest.raises(InvalidKeyError):
+        RunLayout("p", "r").shard_key(1, "../../manifest")
     with pytest.raises(InvalidKeyError):
         RunLayout("p", "r").key("../manifest.json")
 

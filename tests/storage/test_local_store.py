@@ -79,8 +79,8 @@ def test_resume_skips_committed_shards_and_each_sample_is_stored_once(tmp_path: 
 
 def test_identical_second_writer_succeeds_and_different_one_fails_loudly(tmp_path: Path) -> None:
     plan = plan_for(3, 3)
-    write_run(_store(tmp_path), plan)
-    key = tmp_path / "run-1" / "shards" / "shard-000000.safetensors"
+    (first,) = write_run(_store(tmp_path), plan)
+    key = tmp_path / first.key
     before = key.read_bytes()
     again = _store(tmp_path).open_shard(0, range(0, 3))
     for i in range(3):
@@ -95,6 +95,29 @@ def test_identical_second_writer_succeeds_and_different_one_fails_loudly(tmp_pat
     with pytest.raises(ShardConflictError, match="different content"):
         different.seal()
     assert key.read_bytes() == before
+    assert [p.name for p in (tmp_path / "run-1" / "shards").iterdir()] == [key.name]  # the loser's is gone
+
+
+def test_killed_between_object_and_record_then_different_bytes_on_restart(tmp_path: Path) -> None:
+    """GPU reruns need not be bit-identical: the restart's shard commits under its own key and
+    finalize removes the object of the killed attempt."""
+    plan = plan_for(4, 2)
+    store = _store(tmp_path)
+    store.put_json_if_absent("plan.json", plan)
+    killed = store.open_shard(1, range(2, 4))
+    for i in (2, 3):
+        killed.add(record(i, seq_len_of(i), seed=99))
+    orphan = killed.seal()
+    (tmp_path / "run-1" / "commits" / "shard-000001.json").unlink()  # died before the record
+    restarted = _store(tmp_path)
+    commits = write_run(restarted, plan)
+    assert {c.shard_index for c in commits} == {0, 1}
+    assert commits[1].key != orphan.key
+    assert run_verify(str(tmp_path / "run-1")).warnings  # the orphan is noticed before finalize
+    assert restarted.finalize({}) is not None
+    assert not (tmp_path / orphan.key).exists() and (tmp_path / commits[1].key).exists()
+    report = run_verify(str(tmp_path / "run-1"))
+    assert report.ok and not report.warnings and report.samples_checked == 4, report.summary_text()
 
 
 def test_builder_refuses_bad_use(tmp_path: Path) -> None:
@@ -124,10 +147,10 @@ def test_all_quarantined_shard_commits_empty(tmp_path: Path) -> None:
 
 def test_verify_and_reader_catch_a_flipped_bit(tmp_path: Path) -> None:
     store = _store(tmp_path)
-    write_run(store, plan_for(6, 3))
+    commits = write_run(store, plan_for(6, 3))
     store.finalize({})
-    shard = tmp_path / "run-1" / "shards" / "shard-000001.safetensors"
-    header = store.read_header(1)
+    shard = tmp_path / commits[1].key
+    header = store.read_header(commits[1].key)
     data = bytearray(shard.read_bytes())
     data[header.data_start + header.samples[1].offset + 3] ^= 0x10
     shard.write_bytes(bytes(data))

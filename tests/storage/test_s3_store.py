@@ -117,11 +117,40 @@ def test_two_writers_racing_on_one_shard(s3_env: S3Server, s3_bucket: str) -> No
     assert results[0] == results[1]
     client = s3_env.client()
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket)["Contents"]]
-    assert sorted(keys) == [
-        "team/out/race/commits/shard-000000.json",
-        "team/out/race/shards/shard-000000.safetensors",
-    ]
+    assert sorted(keys) == ["team/out/race/commits/shard-000000.json", results[0].key]  # type: ignore[attr-defined]
     assert _uploads(s3_env, s3_bucket) == []
+
+
+def test_two_writers_racing_with_different_content(s3_env: S3Server, s3_bucket: str) -> None:
+    """Exactly one wins; the other gets the loud error and its object is discarded."""
+    spec = _spec(s3_env, s3_bucket)
+    builders = []
+    for seed in (1, 2):
+        b = open_store(spec, "race").open_shard(0, range(0, 30))
+        for i in range(30):
+            b.add(record(i, seq_len_of(i), 256, seed=seed))
+        builders.append(b)
+    results: list[object] = [None, None]
+    start = threading.Barrier(2)
+
+    def seal(slot: int) -> None:
+        start.wait()
+        try:
+            results[slot] = builders[slot].seal()
+        except Exception as exc:
+            results[slot] = exc
+
+    threads = [threading.Thread(target=seal, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [r for r in results if not isinstance(r, Exception)]
+    losers = [r for r in results if isinstance(r, ShardConflictError)]
+    assert len(winners) == 1 and len(losers) == 1, results
+    keys = sorted(o["Key"] for o in s3_env.client().list_objects_v2(Bucket=s3_bucket)["Contents"])
+    assert keys == ["team/out/race/commits/shard-000000.json", winners[0].key]  # type: ignore[attr-defined]
+    assert open_store(spec, "race").get_commit(0) == winners[0]
 
 
 def test_conditional_multipart_completion_refuses_a_second_object(s3_env: S3Server, s3_bucket: str) -> None:
@@ -147,9 +176,9 @@ def test_different_content_for_a_committed_shard_fails_loudly(s3_env: S3Server, 
         builder.add(record(i, seq_len_of(i), 128, seed=5))
     with pytest.raises(ShardConflictError, match="different content") as info:
         builder.seal()
-    assert f"s3://{s3_bucket}/team/out/run-1/shards/shard-000000.safetensors" in str(info.value)
+    assert f"s3://{s3_bucket}/team/out/run-1/commits/shard-000000.json" in str(info.value)
     report = run_verify(f"s3://{s3_bucket}/team/out/run-1", output=spec)
-    assert report.ok, report.summary_text()
+    assert report.ok and not report.warnings, report.summary_text()
 
 
 def test_wrong_credentials_fail_at_once_naming_the_cause(
