@@ -136,9 +136,8 @@ def run_demo(output: str | Path = "demo-output", keep_model: bool = False) -> in
                 "validation": {"dumpTimeoutSeconds": 30},
             })
             progress = Progress(cfg.runId, cfg.replicaIndex)
-            started = time.monotonic()
             code, result = asyncio.run(extract(cfg, progress))
-            seconds = time.monotonic() - started
+            seconds = progress.elapsed
         if code != EXIT_OK or result is None or result.manifest is None:
             print(f"hsx demo: extraction failed (exit {code})", file=sys.stderr)
             return code or EXIT_PERMANENT

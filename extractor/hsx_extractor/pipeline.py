@@ -227,10 +227,10 @@ class Extraction:
             committed = await asyncio.to_thread(store.committed_shards)
             todo = [k for k in mine if k not in committed]
             await self._count_resumed(store, plan, [k for k in mine if k in committed], len(mine))
-            self.progress.state = "running"
+            self.progress.mark_running()
             commits = await self._extract(store, client, tok, shape, plan, todo) if todo else []
         manifest = await asyncio.to_thread(store.finalize, self.run_info(tok, shape, plan))
-        self.progress.state = "succeeded"
+        self.progress.mark_succeeded()
         return RunResult(cfg.runId, store.description, tok.fingerprint, todo, commits, manifest)
 
     async def _count_resumed(self, store: Store, plan: ShardPlan, done: list[int], mine: int) -> None:

@@ -38,7 +38,9 @@ class Progress:
     shards_total: int = 0
     last_error: str | None = None
     quarantined: Counter[str] = field(default_factory=Counter)
-    started: float = field(default_factory=time.monotonic)
+    # Rates count from the first request (not from start-up) to the end of the run.
+    running_since: float | None = None
+    finished_at: float | None = None
     _metrics: Metrics | None = None
     _in_flight_probe: Callable[[], int] | None = None
 
@@ -73,12 +75,28 @@ class Progress:
         self._in_flight_probe = probe
         self.metrics.in_flight.set_function(lambda: float(probe()))
 
+    def mark_running(self) -> None:
+        self.state = "running"
+        self.running_since = time.monotonic()
+
+    def mark_succeeded(self) -> None:
+        self.state = "succeeded"
+        self.finished_at = time.monotonic()
+
     def fail(self, message: str) -> None:
         self.state = "failed"
+        self.finished_at = time.monotonic()
         self.last_error = message
 
+    @property
+    def elapsed(self) -> float:
+        """Seconds spent extracting (0 before the first request)."""
+        if self.running_since is None:
+            return 0.0
+        return (self.finished_at or time.monotonic()) - self.running_since
+
     def snapshot(self) -> dict[str, Any]:
-        elapsed = max(time.monotonic() - self.started, 1e-9)
+        elapsed = max(self.elapsed, 1e-9)
         fresh = self.samples_done - self.samples_resumed
         samples_rate = fresh / elapsed
         remaining = max(self.samples_total - self.samples_done, 0)
