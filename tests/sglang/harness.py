@@ -124,11 +124,14 @@ def run_prefill(
     whole = [states(c.req) for c in chunks]
     aux = torch.cat([a[c.start : c.end] for c, (a, _) in zip(chunks, whole, strict=True)])
     final = torch.cat([f[c.start : c.end] for c, (_, f) in zip(chunks, whole, strict=True)])
-    full = parts.capture_mode.FULL
+    # As ScheduleBatch.init_new: the batch asks for states when one of its requests does.
+    mode = parts.capture_mode
+    per_req = {True: mode.FULL, "last": mode.LAST, False: mode.NULL}
+    batch_mode = max(per_req[c.req.return_hidden_states] for c in chunks)
     batch = SimpleNamespace(
         reqs=[c.req for c in chunks],
-        return_hidden_states=True,
-        return_hidden_states_mode=full,
+        return_hidden_states=batch_mode.need_capture(),
+        return_hidden_states_mode=batch_mode,
         spec_info=None,
         return_logprob=False,
         decoding_reqs=[],

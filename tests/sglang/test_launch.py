@@ -38,7 +38,7 @@ def test_extraction_flags_and_layer_ids() -> None:
     assert _flag_value(argv, "--return-aux-hidden-state-layer-ids") == ["1", "29", "57"]
     assert "--disable-radix-cache" in argv and _flag_value(argv, "--chunked-prefill-size") == ["-1"]
     assert argv[-3:] == ["--trust-remote-code", "--mem-fraction-static", "0.8"]
-    assert "--disable-cuda-graph" not in argv
+    assert "--disable-prefill-cuda-graph" in argv and "--disable-cuda-graph" not in argv
 
 
 def test_default_layers_and_context_length() -> None:

@@ -95,6 +95,9 @@ def server_args(
         "--disable-radix-cache",
         "--chunked-prefill-size",
         str(chunked_prefill_size),
+        # Under overlap scheduling the final states stay on the GPU until the hook copies them;
+        # a replayed prefill graph could overwrite its static buffers first (docs/sglang.md).
+        "--disable-prefill-cuda-graph",
     ]
     if layer_ids:
         ids = [int(i) for i in layer_ids]

@@ -51,10 +51,13 @@ def stage(rows: torch.Tensor) -> Staged:
     """Start moving ``rows`` to host memory without blocking the caller."""
     if rows.device.type == "cpu":
         return Staged(host=rows)
+    stream = torch.cuda.current_stream(rows.device)
     host = torch.empty(rows.shape, dtype=rows.dtype, device="cpu", pin_memory=True)
     host.copy_(rows, non_blocking=True)
+    # The rows were made on SGLang's forward stream: tell the allocator this stream reads them too.
+    rows.record_stream(stream)
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(rows.device))
+    event.record(stream)
     return Staged(host=host, event=event, source=rows)
 
 
