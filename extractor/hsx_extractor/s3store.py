@@ -22,9 +22,9 @@ import botocore.config
 import botocore.exceptions
 import urllib3.exceptions
 
+from hsx_extractor.backends import ObjectSource, PermanentStoreError, TransientStoreError
 from hsx_extractor.config import OutputSpec
 from hsx_extractor.keys import InvalidKeyError, parse_output_uri, validate_prefix
-from hsx_extractor.store import ObjectSource, PermanentStoreError, TransientStoreError
 
 T = TypeVar("T")
 

@@ -19,29 +19,28 @@ is written last, by :meth:`Store.finalize`, once every shard in ``plan.json`` ha
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from hsx_extractor import __version__
-from hsx_extractor.config import EXIT_PERMANENT, EXIT_TRANSIENT, OutputSpec
-from hsx_extractor.keys import (
-    MANIFEST_NAME,
-    PLAN_NAME,
-    InvalidKeyError,
-    RunLayout,
-    parse_output_uri,
-    validate_name,
+from hsx_extractor.backends import (
+    Backend,
+    LocalBackend,
+    ObjectSource,
+    PermanentStoreError,
+    ShardConflictError,
+    StoreError,
+    TransientStoreError,
 )
+from hsx_extractor.config import OutputSpec
+from hsx_extractor.keys import MANIFEST_NAME, PLAN_NAME, RunLayout, parse_output_uri, validate_name
+from hsx_extractor.manifest import build_manifest, plan_shards
 from hsx_extractor.shards import (
     COMPRESSION_CODECS,
-    MANIFEST_VERSION,
     QuarantineEntry,
     SampleEntry,
     SampleRecord,
@@ -55,60 +54,26 @@ from hsx_extractor.shards import (
     parse_header,
 )
 
+# Re-exported: callers import the whole store API from here.
+__all__ = [
+    "Backend",
+    "LocalBackend",
+    "ObjectSource",
+    "PermanentStoreError",
+    "ShardBuilder",
+    "ShardConflictError",
+    "SpooledObject",
+    "Store",
+    "StoreError",
+    "TransientStoreError",
+    "build_manifest",
+    "open_backend",
+    "open_store",
+    "open_uri_lines",
+    "plan_shards",
+]
+
 HEAD_PROBE_BYTES = 64 << 10  # first read of a shard; usually holds the whole header
-
-
-class StoreError(Exception):
-    """Base of storage failures. ``exit_code`` is what ``hsx extract`` should exit with."""
-
-    exit_code = EXIT_TRANSIENT
-
-
-class TransientStoreError(StoreError):
-    """A retryable failure that persisted past the retry budget."""
-
-
-class PermanentStoreError(StoreError):
-    """Retrying cannot help: access denied, no such bucket, bad credentials, invalid key."""
-
-    exit_code = EXIT_PERMANENT
-
-
-class ShardConflictError(PermanentStoreError):
-    """A different object already holds this shard's key. It is never overwritten."""
-
-
-class ObjectSource(Protocol):
-    """Bytes of an object to upload, readable at any offset from several threads."""
-
-    @property
-    def size(self) -> int: ...
-
-    def read_at(self, offset: int, length: int) -> bytes: ...
-
-
-class Backend(Protocol):
-    """What the commit protocol needs from a store. Keys are relative to the store root."""
-
-    description: str  # for messages: "s3://bucket" or a directory
-
-    def get(self, key: str) -> bytes | None: ...
-
-    def get_range(self, key: str, start: int, length: int) -> bytes: ...
-
-    def size(self, key: str) -> int | None: ...
-
-    def put_if_absent(self, key: str, data: bytes) -> bool: ...
-
-    def upload_if_absent(self, key: str, source: ObjectSource, metadata: dict[str, str]) -> bool: ...
-
-    def list_keys(self, prefix: str) -> Iterator[str]: ...
-
-    def iter_object(self, key: str, chunk_size: int) -> Iterator[bytes]: ...
-
-    def abort_uploads(self, prefix: str) -> int: ...
-
-    def delete(self, key: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -426,142 +391,6 @@ class Store:
             self.backend.delete(key)
         manifest = build_manifest(self.layout.run_id, self.output.compression, commits, run_info)
         return self.put_json_if_absent(MANIFEST_NAME, manifest)
-
-
-def plan_shards(plan: dict[str, Any]) -> list[tuple[int, int, int]]:
-    """``(shard index, start, stop)`` from plan.json's ``shards: [{index, start, stop}]``."""
-    try:
-        shards = [(int(s["index"]), int(s["start"]), int(s["stop"])) for s in plan["shards"]]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise PermanentStoreError(f"plan.json needs shards: [{{index, start, stop}}, ...]: {exc}") from exc
-    if len({k for k, _, _ in shards}) != len(shards):
-        raise PermanentStoreError("plan.json lists a shard twice")
-    return sorted(shards)
-
-
-def build_manifest(
-    run_id: str, compression: str, commits: Iterable[ShardCommit], run_info: dict[str, Any]
-) -> dict[str, Any]:
-    """The dataset-level manifest (pure)."""
-    commits = sorted(commits, key=lambda c: c.shard_index)
-    raw = sum(c.bytes_raw for c in commits)
-    stored = sum(c.bytes_stored for c in commits)
-    return {
-        "format": MANIFEST_VERSION,
-        "runId": run_id,
-        "hsxVersion": __version__,
-        "run": run_info,
-        "samples": sum(c.samples for c in commits),
-        "quarantined": sum(c.quarantined for c in commits),
-        "compression": {
-            "setting": compression,
-            "bytesRaw": raw,
-            "bytesStored": stored,
-            "ratio": round(raw / stored, 4) if stored else None,
-        },
-        "shards": [
-            {
-                "index": c.shard_index,
-                "key": c.key,
-                "start": c.start,
-                "stop": c.stop,
-                "samples": c.samples,
-                "quarantined": c.quarantined,
-                "bytesStored": c.bytes_stored,
-                "bytesRaw": c.bytes_raw,
-                "checksum": c.checksum,
-            }
-            for c in commits
-        ],
-        "quarantine": [q.to_json() for c in commits for q in c.quarantine],
-    }
-
-
-class LocalBackend:
-    """A directory as a store. Create-if-absent is ``link()`` of a complete temp file: atomic."""
-
-    def __init__(self, root: str | os.PathLike[str]):
-        self.root = Path(root).absolute()
-        self.description = str(self.root)
-
-    def _path(self, key: str) -> Path:
-        path = (self.root / key).resolve()
-        if not path.is_relative_to(self.root.resolve()):
-            raise InvalidKeyError(f"key {key!r} escapes {self.root}")
-        return path
-
-    def get(self, key: str) -> bytes | None:
-        try:
-            return self._path(key).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def get_range(self, key: str, start: int, length: int) -> bytes:
-        with open(self._path(key), "rb") as f:
-            f.seek(start)
-            return f.read(length)
-
-    def size(self, key: str) -> int | None:
-        try:
-            return self._path(key).stat().st_size
-        except FileNotFoundError:
-            return None
-
-    def _create(self, key: str, chunks: Iterable[bytes]) -> bool:
-        final = self._path(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                for chunk in chunks:
-                    f.write(chunk)
-                f.flush()
-                os.fsync(f.fileno())
-            try:
-                os.link(tmp, final)
-            except FileExistsError:
-                return False
-            return True
-        finally:
-            os.unlink(tmp)
-
-    def put_if_absent(self, key: str, data: bytes) -> bool:
-        return self._create(key, [data])
-
-    def upload_if_absent(self, key: str, source: ObjectSource, metadata: dict[str, str]) -> bool:
-        step = 8 << 20
-        return self._create(
-            key, (source.read_at(o, min(step, source.size - o)) for o in range(0, source.size, step))
-        )
-
-    def list_keys(self, prefix: str) -> Iterator[str]:
-        base = self._path(prefix.rstrip("/")) if prefix.rstrip("/") else self.root
-        if not base.is_dir():
-            return
-        for path in sorted(base.rglob("*")):
-            if path.is_file() and not path.name.startswith("."):
-                yield path.relative_to(self.root).as_posix()
-
-    def iter_object(self, key: str, chunk_size: int) -> Iterator[bytes]:
-        with open(self._path(key), "rb") as f:
-            while chunk := f.read(chunk_size):
-                yield chunk
-
-    def delete(self, key: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self._path(key).unlink()
-
-    def abort_uploads(self, prefix: str) -> int:
-        # Temp files of writers killed mid-write; a live writer's temp file vanishes on link anyway.
-        path = self._path(prefix)
-        directory, stem = (path, "") if prefix.endswith("/") else (path.parent, path.name)
-        count = 0
-        if directory.is_dir():
-            for tmp in directory.glob(f".{stem}*.tmp"):
-                with contextlib.suppress(FileNotFoundError):
-                    tmp.unlink()
-                    count += 1
-        return count
 
 
 def open_backend(uri: str, output: OutputSpec | None = None) -> tuple[Backend, str]:
