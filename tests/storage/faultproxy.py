@@ -39,13 +39,15 @@ def _error_response(status: int, code: str) -> bytes:
 
 @dataclass
 class Injection:
-    """Answer the first ``times`` requests matching method and target text with an S3 error."""
+    """Answer the first ``times`` requests matching method and target text with an S3 error
+    (or, with ``delay_seconds``, forward them only after that delay)."""
 
     method: str
     target_contains: str
-    status: int
-    code: str
+    status: int = 0
+    code: str = ""
     times: int = 1
+    delay_seconds: float = 0.0
 
 
 @dataclass
@@ -161,11 +163,13 @@ class FaultProxy:
                     await writer.drain()
                 body = await _read_body(reader, fields, until_eof=False)
                 injected = self._injected(method, target)
-                if injected is not None:
+                if injected is not None and injected.delay_seconds:
+                    await asyncio.sleep(injected.delay_seconds)
+                elif injected is not None:
                     writer.write(_error_response(injected.status, injected.code))
                     await writer.drain()
                     continue
-                fault = self._pick(target)
+                fault = None if injected is not None else self._pick(target)
                 if fault == "error":
                     writer.write(_error_response(503, "SlowDown"))
                     await writer.drain()

@@ -161,3 +161,18 @@ def test_access_denied_mid_upload_fails_at_once_and_leaves_no_upload(
         assert injection.times >= 97  # at most one try per part in flight, no retries
     assert s3_env.client().list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
     assert open_store(_spec(s3_env.endpoint, s3_bucket), "run-1").committed_shards() == set()
+
+
+@pytest.mark.s3
+def test_a_read_timeout_is_retried(s3_env: S3Server, s3_bucket: str) -> None:
+    """The first GET answers later than the client's read timeout; the retry succeeds."""
+    from hsx_extractor.s3store import S3Backend, make_client
+
+    s3_env.client().put_object(Bucket=s3_bucket, Key="k/obj", Body=b"payload")
+    slow_get = Injection("GET", "k/obj", times=1, delay_seconds=2.0)
+    with FaultProxy(s3_env.endpoint, FaultPlan(seed=0, rate=0.0, injections=[slow_get])) as proxy:
+        config = S3TransferConfig(read_timeout=0.5, backoff_base=0.01)
+        spec = _spec(proxy.endpoint, s3_bucket)
+        backend = S3Backend(make_client(spec, config), s3_bucket, config, "k")
+        assert backend.get("k/obj") == b"payload"
+        assert slow_get.times == 0 and backend.retrier.retries == 1
