@@ -164,6 +164,7 @@ class ReferenceServer:
         self.delay_s = delay_s
         self.test_hooks = test_hooks
         self.stats = Stats()
+        self._in_flight = 0
         self._seen: set[str] = set()
         self._previous: tuple[DumpMeta, np.ndarray, np.ndarray, np.ndarray] | None = None
         # One worker: torch parallelises each forward itself; requests queue here, not in the loop.
@@ -199,7 +200,7 @@ class ReferenceServer:
             self.delay_s = float(body.get("delayMs", 0)) / 1000.0
         except (ValueError, TypeError) as exc:
             return _error(400, str(exc))
-        self.stats = Stats()
+        self.stats = Stats(in_flight=self._in_flight)
         return web.json_response({"kind": self.fault.kind, "every": self.fault.every, "delayS": self.delay_s})
 
     async def generate(self, request: web.Request) -> web.Response:
@@ -214,15 +215,18 @@ class ReferenceServer:
         self._seen.add(rid)
         self.stats.requests += 1
         arrival = self.stats.requests
-        self.stats.in_flight += 1
-        self.stats.max_in_flight = max(self.stats.max_in_flight, self.stats.in_flight)
+        # Counted on the server, not per stats epoch: a reset must not forget requests still running.
+        self._in_flight += 1
+        self.stats.in_flight = self._in_flight
+        self.stats.max_in_flight = max(self.stats.max_in_flight, self._in_flight)
         try:
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             loop = asyncio.get_running_loop()
             next_token = await loop.run_in_executor(self._worker, self._serve_one, rid, ids, arrival)
         finally:
-            self.stats.in_flight -= 1
+            self._in_flight -= 1
+            self.stats.in_flight = self._in_flight
         return web.json_response(
             {
                 "text": "",

@@ -42,7 +42,8 @@ def _session_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.fixture
 def ref_server(_session_server: RefServer) -> Iterator[RefServer]:
-    """The session's reference server, behaving well at the start of each test."""
+    """The session's reference server, idle and behaving well at the start of each test."""
+    _session_server.wait_idle()
     _session_server.set_fault(None)
     yield _session_server
     _session_server.set_fault(None)

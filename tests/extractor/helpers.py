@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,13 @@ class RefServer:
 
     def stats(self) -> dict[str, Any]:
         return self.get("/hsx_test/stats")
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Until requests of an earlier, stopped run have drained (they would skew the stats)."""
+        deadline = time.monotonic() + timeout
+        while self.stats()["inFlight"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.stats()["inFlight"] == 0, "reference server still busy"
 
 
 def write_jsonl(path: Path, rows: list[Any]) -> Path:
