@@ -323,3 +323,29 @@ def test_extracts_to_real_s3(tmp_path: Path, ref_server: RefServer, s3_env: Any,
     assert report.ok, report.summary_text()
     samples, _ = stored(cfg)
     assert sorted(samples) == list(range(5))
+
+
+def test_backpressure_holds_requests_while_the_dump_dir_is_full(
+    tmp_path: Path, ref_server: RefServer
+) -> None:
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(5))
+    cfg = ExtractConfig.model_validate(base_config(tmp_path, ref_server, dataset, dumpDirMaxBytes=1 << 20))
+    blocker = ref_server.dump_dir / ".someone-elses-partial-dump"
+    blocker.write_bytes(b"\0" * ((1 << 20) + 1))
+
+    async def scenario() -> tuple[int, int, RunResult]:
+        progress = Progress(cfg.runId, cfg.replicaIndex)
+        task = asyncio.create_task(Extraction(cfg, progress).run())
+        while progress.state != "running":
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(1.0)
+        held = (ref_server.stats()["requests"], progress.samples_done)
+        blocker.unlink()  # shm drained: sending resumes
+        return *held, await task
+
+    try:
+        requests_while_full, done_while_full, result = asyncio.run(scenario())
+    finally:
+        blocker.unlink(missing_ok=True)
+    assert (requests_while_full, done_while_full) == (0, 0)
+    assert result.manifest is not None and result.manifest["samples"] == 5
