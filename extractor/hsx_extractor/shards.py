@@ -196,7 +196,11 @@ class EncodedSample:
     """A sample's stored bytes and its index row (offset still 0: set when the shard is laid out)."""
 
     entry: SampleEntry
-    payload: bytes
+    parts: tuple[bytes | memoryview, ...]  # the stored bytes, in order, not yet concatenated
+
+    @property
+    def payload(self) -> bytes:
+        return b"".join(self.parts)
 
 
 _LOGICAL_DTYPE = {INPUT_IDS: "I32", LOSS_MASK: "U8", AUX: "BF16", FINAL: "BF16"}
@@ -220,11 +224,12 @@ def encode_sample(rec: SampleRecord, codec: str) -> EncodedSample:
         parts += stored
         offset += length
     parts.append(b"\0" * (-offset % ALIGN))
-    payload = b"".join(parts)
-    entry = SampleEntry(
-        rec.index, rec.sample_id, 0, len(payload), rec.seq_len, checksum(payload), tuple(tensors)
-    )
-    return EncodedSample(entry, payload)
+    digest = xxhash.xxh3_64()
+    for part in parts:
+        digest.update(part)
+    length = offset + len(parts[-1])
+    entry = SampleEntry(rec.index, rec.sample_id, 0, length, rec.seq_len, digest.hexdigest(), tuple(tensors))
+    return EncodedSample(entry, tuple(parts))
 
 
 def decode_sample(stored: bytes | memoryview, entry: SampleEntry, verify: bool = True) -> SampleRecord:

@@ -23,7 +23,7 @@ import json
 import os
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +112,21 @@ class SpooledObject:
             pos += n
 
 
+def _pwrite_all(fd: int, parts: Sequence[bytes | memoryview], offset: int) -> None:
+    """Write buffers back to back at ``offset`` without joining them first."""
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+    while views:
+        written = os.pwritev(fd, views, offset)
+        if written <= 0:
+            raise OSError(f"spool file write made no progress at offset {offset}")
+        offset += written
+        while views and written >= views[0].nbytes:
+            written -= views[0].nbytes
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]
+
+
 def _pread_exact(fd: int, n: int, offset: int) -> bytes:
     data = os.pread(fd, n, offset)
     if len(data) != n:
@@ -149,9 +164,9 @@ class ShardBuilder:
         with self._lock:
             self._claim(sample.index)
             assert self._fd is not None
-            os.pwrite(self._fd, encoded.payload, self._spool_end)
+            _pwrite_all(self._fd, encoded.parts, self._spool_end)
             self._entries[sample.index] = (encoded.entry, self._spool_end)
-            self._spool_end += len(encoded.payload)
+            self._spool_end += encoded.entry.length
 
     def quarantine(self, entry: QuarantineEntry) -> None:
         with self._lock:
