@@ -129,3 +129,19 @@ def test_compressed_shard_opens_in_safetensors_as_opaque_bytes(tmp_path) -> None
     tensors = safetensors.torch.load_file(str(path))
     stored = tensors["1.aux_hidden_states.bf16-split-zstd"]
     assert stored.dtype == torch.uint8 and stored.numel() == placed[1].tensor("aux_hidden_states").length
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    recs=st.lists(samples(), min_size=1, max_size=6, unique_by=lambda r: r.index),
+    codec=st.sampled_from(["raw", "bf16-split-zstd"]),
+)
+def test_any_shard_round_trips_through_its_header(recs: list[SampleRecord], codec: str) -> None:
+    blob, _ = _shard_bytes(recs, codec)
+    header = parse_header(blob)
+    assert header.object_size == len(blob)
+    by_index = {r.index: r for r in recs}
+    assert [s.index for s in header.samples] == sorted(by_index)
+    for entry in header.samples:
+        start = header.data_start + entry.offset
+        assert_same(decode_sample(blob[start : start + entry.length], entry), by_index[entry.index])
