@@ -43,7 +43,8 @@ def test_extraction_flags_and_layer_ids() -> None:
 
 def test_default_layers_and_context_length() -> None:
     argv = server_args("/m", 1, 31000, None, context_length=131072, host="0.0.0.0")
-    assert "--return-aux-hidden-state-layer-ids" not in argv
+    assert "--return-aux-hidden-state-layer-ids" not in argv and "--dp-size" not in argv
+    assert _flag_value(server_args("/m", 4, 31000, dp=2), "--dp-size") == ["2"]
     assert _flag_value(argv, "--context-length") == ["131072"] and _flag_value(argv, "--host") == ["0.0.0.0"]
     assert server_env("/dev/shm/hsx", context_length=131072) == {
         DUMP_DIR_ENV: "/dev/shm/hsx",
@@ -57,6 +58,8 @@ def test_default_layers_and_context_length() -> None:
     [
         ({"model_path": ""}, "model_path"),
         ({"tp": 0}, "tp"),
+        ({"dp": 0}, "dp"),
+        ({"extra_args": ["--dp", "2"]}, "may not set --dp"),
         ({"port": 70000}, "port"),
         ({"layer_ids": [3, 3]}, "distinct"),
         ({"extra_args": ["--disable-radix-cache"]}, "may not set --disable-radix-cache"),

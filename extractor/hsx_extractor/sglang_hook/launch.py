@@ -35,6 +35,10 @@ _OWNED_FLAGS = frozenset(
         "--model-path",
         "--tp-size",
         "--tp",
+        "--tensor-parallel-size",
+        "--dp-size",
+        "--dp",
+        "--data-parallel-size",
         "--port",
         "--host",
         "--enable-return-aux-hidden-states",
@@ -55,20 +59,23 @@ def server_args(
     extra_args: Sequence[str] = (),
     *,
     host: str = "127.0.0.1",
+    dp: int = 1,
     chunked_prefill_size: int = -1,
     context_length: int | None = None,
 ) -> list[str]:
     """The argv that starts SGLang in extraction mode.
 
     ``layer_ids`` are SGLang's ``--return-aux-hidden-state-layer-ids`` (see hsx_extractor.layers for
-    which layers they capture); None keeps EAGLE-3's default layers. ``extra_args`` are appended
+    which layers they capture); None keeps EAGLE-3's default layers. ``dp`` > 1 runs that many
+    data-parallel replicas (each scheduler's attention-TP rank 0 dumps its own requests; total
+    GPUs = tp x dp). ``extra_args`` are appended
     verbatim (quantization, memory fraction, ...) but may not override the flags extraction needs.
     Raises ValueError on bad input.
     """
     if not model_path:
         raise ValueError("model_path is empty")
-    if tp < 1:
-        raise ValueError(f"tp must be >= 1, got {tp}")
+    if tp < 1 or dp < 1:
+        raise ValueError(f"tp and dp must be >= 1, got tp={tp} dp={dp}")
     if not 0 < port < 65536:
         raise ValueError(f"port {port} is not a TCP port")
     if chunked_prefill_size == 0 or chunked_prefill_size < -1:
@@ -85,6 +92,7 @@ def server_args(
         model_path,
         "--tp-size",
         str(tp),
+        *(["--dp-size", str(dp)] if dp > 1 else []),
         "--host",
         host,
         "--port",
