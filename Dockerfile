@@ -1,3 +1,5 @@
+# syntax=docker/dockerfile:1
+# (BuildKit: the RUN --mount lines below need it; Docker 23+ uses it by default.)
 # hsx images, one target each (no Docker engine in CI: hadolint checks this file, nothing builds it):
 #   docker build --target operator  -t ghcr.io/hsx-dev/hsx-operator:0.1.0  .
 #   docker build --target extractor -t ghcr.io/hsx-dev/hsx-extractor:0.1.0 .
