@@ -102,6 +102,9 @@ class ReferenceModel:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
         self.model_dir = str(model_dir)
         config = AutoConfig.from_pretrained(self.model_dir)

@@ -98,7 +98,9 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, cor
     """Write a complete model directory (config, safetensors weights, tokenizer) to ``out_dir``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a bar per save is noise in the demo's output
     spec = spec or TinyModelSpec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
