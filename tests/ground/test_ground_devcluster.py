@@ -21,24 +21,26 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def read_until(proc: subprocess.Popen[str], marker: str, timeout_s: float) -> str:
-    """Collect stdout until a line containing `marker` (AssertionError with the output so far if not)."""
+    """Collect stdout until it contains `marker` (AssertionError with the output so far if not)."""
     assert proc.stdout is not None
-    seen: list[str] = []
+    fd = proc.stdout.fileno()  # raw reads: a buffered readline would hide lines from the selector
+    seen = b""
     selector = selectors.DefaultSelector()
-    selector.register(proc.stdout, selectors.EVENT_READ)
+    selector.register(fd, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and marker.encode() not in seen:
         if not selector.select(timeout=1.0):
             if proc.poll() is not None:
                 break
             continue
-        line = proc.stdout.readline()
-        if not line:
+        chunk = os.read(fd, 65536)
+        if not chunk:
             break
-        seen.append(line)
-        if marker in line:
-            return "".join(seen)
-    raise AssertionError(f"dev-cluster never printed {marker!r}; output:\n{''.join(seen)}")
+        seen += chunk
+    text = seen.decode(errors="replace")
+    if marker not in text:
+        raise AssertionError(f"dev-cluster never printed {marker!r}; output:\n{text}")
+    return text
 
 
 def processes_mentioning(text: str) -> list[int]:
