@@ -26,6 +26,8 @@ CONFIG_DIR = "/etc/hsx"
 CONFIG_FILE = "config.yaml"
 SHM_DIR = "/dev/shm"
 DUMP_DIR = f"{SHM_DIR}/hsx"
+# Writable scratch (TMPDIR) for the extractor, whose root filesystem is read-only.
+SCRATCH_DIR = "/scratch"
 GPU_RESOURCE = "nvidia.com/gpu"
 # The extractor image's user; the server image (CUDA, SGLang) decides its own.
 EXTRACTOR_UID = 65532
@@ -107,7 +109,6 @@ def extract_config(spec: ExtractionJobSpec) -> ExtractConfig:
         dumpDir=DUMP_DIR,
         dumpDirMaxBytes=spec.extractor.dumpDirMaxBytes,
         modelPath=spec.model.path,
-        replicaIndex=0,
         replicaCount=spec.parallelism,
         progressPort=spec.extractor.progressPort,
         progressHost="0.0.0.0",
@@ -115,7 +116,9 @@ def extract_config(spec: ExtractionJobSpec) -> ExtractConfig:
 
 
 def desired_config_map(owner: Owner, spec: ExtractionJobSpec) -> dict[str, Any]:
-    text = yaml.safe_dump(extract_config(spec).model_dump(mode="json", exclude_none=True), sort_keys=False)
+    # No replicaIndex: the extractor takes it from JOB_COMPLETION_INDEX only when the file leaves it out.
+    config = extract_config(spec).model_dump(mode="json", exclude_none=True, exclude={"replicaIndex"})
+    text = yaml.safe_dump(config, sort_keys=False)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -184,13 +187,13 @@ def _volumes(
     volumes: list[dict[str, Any]] = [
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.server.shmSize}},
         {"name": "config", "configMap": {"name": config_map_name(owner.name, spec.runId)}},
-        {"name": "tmp", "emptyDir": {}},
+        {"name": "scratch", "emptyDir": {}},
     ]
     server_mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": SHM_DIR}]
     extractor_mounts: list[dict[str, Any]] = [
         {"name": "shm", "mountPath": SHM_DIR},
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "scratch", "mountPath": SCRATCH_DIR},
     ]
     source = spec.model.source
     if source is not None:
@@ -273,7 +276,7 @@ def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None =
         "image": spec.extractor.image,
         "imagePullPolicy": spec.extractor.imagePullPolicy,
         "command": ["hsx", "extract", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
-        "env": _credentials_env(spec),
+        "env": [{"name": "TMPDIR", "value": SCRATCH_DIR}, *_credentials_env(spec)],
         "ports": [{"name": "progress", "containerPort": spec.extractor.progressPort}],
         "resources": _resources(spec.extractor.resources.requests, spec.extractor.resources.limits),
         "volumeMounts": extractor_mounts,

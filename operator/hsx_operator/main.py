@@ -36,11 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     kopf.configure(verbose=args.verbose)
+    if not args.verbose:
+        # One line per timer tick is noise; handler failures are logged as warnings and errors.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     from hsx_operator import handlers  # noqa: F401  (registers the handlers)
 
     if args.metrics_port:

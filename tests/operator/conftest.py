@@ -1,13 +1,27 @@
-"""Fixtures of the operator tests: the CRD installed on the session's control plane."""
+"""Fixtures of the operator tests: the CRD on the session's control plane, the operator as a real
+subprocess with least-privilege RBAC, the hsx images mapped onto the node agent, a tiny model."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+HSX = str(BIN / "hsx")
+OPERATOR_USER = "hsx-operator"
+POLL_SECONDS = "1"
 
 
 @pytest.fixture(scope="session")
@@ -16,3 +30,159 @@ def xj_crd(kube_cluster: Any) -> Any:
     kube_cluster.kubectl("apply", "-f", str(ROOT / "crds"))
     kube_cluster.kubectl("wait", "--for=condition=Established", "crd/extractionjobs.hsx.dev", "--timeout=60s")
     return kube_cluster
+
+
+@pytest.fixture(scope="session")
+def operator_kubeconfig(xj_crd: Any) -> Path:
+    """A kubeconfig for user hsx-operator holding exactly hsx_operator.rbac's ClusterRole."""
+    from hsx_operator.rbac import cluster_role
+
+    role = cluster_role("hsx-operator-test")
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": "hsx-operator-test"},
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": "hsx-operator-test",
+        },
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": OPERATOR_USER}],
+    }
+    xj_crd.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([role, binding]))
+    return xj_crd.user_kubeconfig(OPERATOR_USER)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="session")
+def op_workdir() -> Iterator[Path]:
+    # Not under /tmp: the extractor container mounts its own /tmp over it.
+    path = Path(tempfile.mkdtemp(prefix="hsx-operator-tests-", dir="/var/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(op_workdir: Path) -> Path:
+    """A tiny random Llama with its tokenizer, in {op_workdir}/models/tiny (mounted at /models)."""
+    from hsx_extractor.tinymodel import build_tiny_model
+
+    return build_tiny_model(op_workdir / "models" / "tiny")
+
+
+@pytest.fixture(scope="session")
+def chat_dataset(op_workdir: Path) -> Path:
+    from hsx_extractor.tinymodel import example_dataset_path
+
+    target = op_workdir / "data" / "chat.jsonl"
+    target.parent.mkdir(parents=True)
+    shutil.copy(example_dataset_path(), target)
+    return target
+
+
+def _flag(command: list[str], flag: str) -> str | None:
+    return command[command.index(flag) + 1] if flag in command else None
+
+
+def reference_server_argv(container: dict, pod: dict) -> list[str]:
+    """The sglang image -> hsx's CPU reference server with the same model, port and dump dir."""
+    command = list(container["command"])
+    env = {e["name"]: e.get("value", "") for e in container.get("env", [])}
+    model, port = _flag(command, "--model-path"), _flag(command, "--port")
+    assert model and port, command
+    argv = [HSX, "serve-reference", "--model", model, "--dump-dir", env["SGLANG_HS_DUMP_DIR"]]
+    argv += ["--host", "0.0.0.0", "--port", port, "--threads", "1"]
+    if "--return-aux-hidden-state-layer-ids" in command:
+        start = command.index("--return-aux-hidden-state-layer-ids") + 1
+        ids = [x for x in command[start:] if x.isdigit()]
+        argv += ["--aux-layer-ids", *ids]
+    delay = _flag(command, "--delay-ms")  # test hook, passed through server.extraArgs
+    if delay:
+        argv += ["--delay-ms", delay]
+    return argv
+
+
+def extractor_argv(container: dict, pod: dict) -> list[str]:
+    command = list(container["command"])
+    assert command[0] == "hsx", command
+    return [HSX, *command[1:]]
+
+
+@pytest.fixture(scope="session")
+def hsx_node(node_agent: Any, tiny_model: Path) -> Any:
+    """The node agent with the hsx images registered (the operator's default image names)."""
+    node_agent.register_image("ghcr.io/hsx-dev/hsx-sglang:*", reference_server_argv)
+    node_agent.register_image("ghcr.io/hsx-dev/hsx-extractor:*", extractor_argv)
+    return node_agent
+
+
+class OperatorProcess:
+    """One `hsx-operator` subprocess watching one namespace, as the least-privilege user."""
+
+    def __init__(self, kubeconfig: Path, namespace: str, log: Path):
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "HSX_OPERATOR_POLL_SECONDS": POLL_SECONDS}
+        self.log = log
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [str(BIN / "hsx-operator"), "-n", namespace, "--metrics-port", "0"],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, like a crashed pod."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def tail(self, lines: int = 60) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@pytest.fixture
+def start_operator(
+    operator_kubeconfig: Path, namespace: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[[], OperatorProcess]]:
+    """Start operators for the test's namespace (each call one more); all are stopped afterwards."""
+    started: list[OperatorProcess] = []
+
+    def start() -> OperatorProcess:
+        op = OperatorProcess(operator_kubeconfig, namespace, tmp_path / f"operator-{len(started)}.log")
+        started.append(op)
+        return op
+
+    yield start
+    for op in started:
+        op.stop()
+    if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
+        for op in started:
+            print(f"--- {op.log} ---\n{op.tail()}")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 1.0) -> Any:
+    """Poll until `predicate` returns something truthy; fail with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
