@@ -616,7 +616,8 @@ def start_node_agent(
 ) -> Iterator[NodeAgent]:
     """A running node agent; on exit every process, netns, veth and mount it made is gone."""
     own_dir = workdir is None
-    root = Path(tempfile.mkdtemp(prefix="hsx-node-")) if workdir is None else workdir
+    # Outside /tmp: a pod that mounts an emptyDir at /tmp must not hide its other volumes' sources.
+    root = Path(tempfile.mkdtemp(prefix="hsx-node-", dir="/var/tmp")) if workdir is None else workdir
     agent = NodeAgent(cluster, root, **options)  # type: ignore[arg-type]
     try:
         agent.start()
@@ -628,9 +629,9 @@ def start_node_agent(
 
 
 @pytest.fixture(scope="session")
-def node_agent(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeAgent]:
+def node_agent(kube_cluster: KubeCluster) -> Iterator[NodeAgent]:
     """The session's test node (`hsx-test-node`, 8 nvidia.com/gpu). Needs root (netns, mounts)."""
     if os.geteuid() != 0:
         pytest.skip("the node agent needs root (network and mount namespaces)")
-    with start_node_agent(kube_cluster, tmp_path_factory.mktemp("node")) as agent:
+    with start_node_agent(kube_cluster) as agent:
         yield agent
