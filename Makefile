@@ -58,6 +58,7 @@ bench: venv test-tools
 
 crds: venv
 	$(BIN)/python -m hsx_operator.crdgen --write crds/
+	cp crds/*.yaml charts/hsx/crds/
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo-output
