@@ -1,0 +1,98 @@
+"""``make bench``: every benchmark in one go, then a one-screen summary (results in bench/results/).
+
+    .venv/bin/python -m bench [--only b1,b2,b3,b4,memory]
+"""
+
+from __future__ import annotations
+
+import argparse
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def _b3() -> dict[str, Any]:
+    from bench import bench_compression
+
+    return bench_compression.main([])
+
+
+def benchmarks() -> dict[str, Callable[[], dict[str, Any]]]:
+    from bench.b1_dataplane import run_b1
+    from bench.b2_saturation import run_b2
+    from bench.b4_operator import run_b4
+    from bench.memory import run_memory
+
+    return {"b1": run_b1, "b2": run_b2, "b3": _b3, "b4": run_b4, "memory": run_memory}
+
+
+def summary(results: dict[str, Any]) -> list[str]:
+    """The one-screen table (pure)."""
+    lines = ["", "=" * 100, f"{'benchmark':14} {'figure':56} {'measured':>14} {'target':>12}", "-" * 100]
+
+    def row(bench: str, figure: str, value: str, target: str = "") -> None:
+        lines.append(f"{bench:14} {figure:56} {value:>14} {target:>12}")
+
+    for name, r in results.items():
+        if isinstance(r, Exception):
+            row(name, f"FAILED: {type(r).__name__}: {str(r)[:40]}", "-")
+            continue
+        if name == "b1":
+            runs, ratios = r["runs"], r["ratios"]
+            for run in ("hsx extract (none)", "hsx extract (bf16-zstd)"):
+                row("B1 data plane", f"{run} MB/s (per core)",
+                    f"{runs[run]['MBps']:.0f} ({runs[run]['MBps_per_core']:.0f})")
+                row("", f"  x ceiling (plain multipart {runs['ceiling: plain multipart']['MBps']:.0f} MB/s)",
+                    f"{ratios[run]['vs_ceiling']:.2f}", ">= 0.85")
+                row("", f"  x baseline (torch.save + seq. upload "
+                        f"{runs['baseline: torch.save + sequential upload']['MBps']:.0f} MB/s)",
+                    f"{ratios[run]['vs_baseline']:.2f}", ">= 3")
+        elif name == "b2":
+            for run, v in r["runs"].items():
+                row("B2 saturation", f"{run}: server busy", f"{v['utilization']:.3f}",
+                    ">= 0.95" if v["concurrency"] > 1 else "")
+        elif name == "b3":
+            for profile, methods in r["profiles"].items():
+                for method, m in methods.items():
+                    row("B3 compress", f"{profile[:24]} {method}: ratio, MB/s c/d",
+                        f"{m['ratio']:.3f} {m['compress_MBps']:.0f}/{m['decompress_MBps']:.0f}")
+        elif name == "b4":
+            row("B4 operator", "apply -> Job p50 / p95 (one at a time)",
+                f"{r['sequential_p50_s']:.2f}/{r['sequential_p95_s']:.2f}s")
+            row("", f"apply -> Job p50 / p95 (burst of {r['total'] - r['sequential']})",
+                f"{r['burst_p50_s']:.2f}/{r['burst_p95_s']:.2f}s")
+            row("", f"{r['total']} reconciled, errors, duplicate Jobs",
+                f"{r['reconciled_with_status']}, {r['operator_errors']}, {r['duplicate_jobs']}", "200, 0, 0")
+            row("", "operator peak RSS", f"{r['operator_peak_rss_bytes'] / 2**20:.0f} MiB")
+        elif name == "memory":
+            row("memory", f"peak RSS, {r['concurrency']} in flight x {r['tokens_per_sample']} tok, H={r['hidden']}",
+                f"{r['peak_rss_bytes'] / 2**30:.2f} GiB")
+            row("", f"peak shm vs dumpDirMaxBytes {r['dump_dir_max_bytes'] / 2**30:.2f} GiB",
+                f"{r['peak_dump_dir_bytes'] / 2**30:.2f} GiB")
+    lines.append("=" * 100)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="run hsx's benchmarks")
+    p.add_argument("--only", default="b1,b2,b3,b4,memory", help="comma-separated subset")
+    args = p.parse_args(argv)
+    table = benchmarks()
+    wanted = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in table]
+    if unknown:
+        p.error(f"unknown benchmark(s) {unknown}; choose from {', '.join(table)}")
+    results: dict[str, Any] = {}
+    for name in wanted:
+        print(f"\n### {name}", flush=True)
+        try:
+            results[name] = table[name]()
+        except Exception as exc:  # one broken benchmark must not hide the others' numbers
+            traceback.print_exc()
+            results[name] = exc
+    print("\n".join(summary(results)), flush=True)
+    return 1 if any(isinstance(r, Exception) for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

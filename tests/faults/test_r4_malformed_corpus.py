@@ -1,0 +1,160 @@
+"""R4: a corpus of 30+ malformed rows among good ones. Each bad row ends in its own, asserted
+quarantine reason, in the shard commit records and the manifest (with a detail), and the counts
+show in /progress and /metrics; good rows are all extracted and nothing is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from hsx_extractor.config import ExtractConfig
+from hsx_extractor.demo import reference_server
+from hsx_extractor.pipeline import Extraction
+from hsx_extractor.progress import Progress, bound_port, start_progress_server
+from hsx_extractor.reasons import Reason
+from hsx_extractor.tinymodel import CHAT_TEMPLATE
+from hsx_extractor.verify import run_verify
+from tests.extractor.helpers import chat_rows
+from tests.faults.helpers import stored
+
+pytestmark = pytest.mark.slow
+MAX_LENGTH = 256
+# The template refuses one content on purpose, so template_error is reachable from data alone.
+REFUSING_TEMPLATE = (
+    "{% for m in messages %}{% if m['content'] == 'FORBIDDEN' %}"
+    "{{ raise_exception('this template refuses FORBIDDEN') }}{% endif %}{% endfor %}" + CHAT_TEMPLATE
+)
+
+
+def chat(sample_id: Any, *turns: tuple[str, Any]) -> bytes:
+    return json.dumps({"id": sample_id, "messages": [{"role": r, "content": c} for r, c in turns]}).encode()
+
+
+def tokens(sample_id: str, ids: Any, mask: Any) -> bytes:
+    return json.dumps({"id": sample_id, "input_ids": ids, "loss_mask": mask}).encode()
+
+
+QA = (("user", "What is two plus two?"), ("assistant", "Four."))
+# (raw line, reason): each a different way to be wrong.
+MALFORMED: list[tuple[bytes, Reason]] = [
+    (b'{"id": "j1", "messages": [', Reason.INVALID_JSON),
+    (b'{"id": ', Reason.INVALID_JSON),
+    (b"not json at all", Reason.INVALID_JSON),
+    (b'{"id": "j4", "messages": []}}', Reason.INVALID_JSON),
+    (b'{"id": "u1", "messages": [{"role": "user", "content": "caf\xe9"}]}', Reason.INVALID_UTF8),
+    (b"\xff\xfe{}", Reason.INVALID_UTF8),
+    (b"[1, 2, 3]", Reason.INVALID_ROW),
+    (b'"just a string"', Reason.INVALID_ROW),
+    (b'{"id": {"nested": 1}, "messages": []}', Reason.INVALID_ROW),
+    (b'{"id": true, "messages": []}', Reason.INVALID_ROW),
+    (b'{"id": "nothing"}', Reason.INVALID_ROW),
+    (b'{"id": "m1", "messages": "not a list"}', Reason.INVALID_ROW),
+    (b'{"id": "m2", "messages": [42]}', Reason.INVALID_ROW),
+    (tokens("t1", ["a", "b"], [0, 1]), Reason.INVALID_ROW),
+    (tokens("t2", [1, 2], [0, 2]), Reason.INVALID_ROW),
+    (b'{"id": "e1", "messages": []}', Reason.EMPTY_MESSAGES),
+    (b'{"id": 77, "messages": []}', Reason.EMPTY_MESSAGES),
+    (chat("r1", ("wizard", "hi"), ("assistant", "no")), Reason.UNKNOWN_ROLE),
+    (chat("r2", ("User", "hi"), ("assistant", "no")), Reason.UNKNOWN_ROLE),
+    (b'{"id": "r3", "messages": [{"content": "hi"}]}', Reason.MISSING_ROLE),
+    (b'{"id": "r4", "messages": [{"role": "user", "content": "a"}, {"content": "b"}]}', Reason.MISSING_ROLE),
+    (chat("c1", ("user", ["not", "text"]), ("assistant", "x")), Reason.NON_STRING_CONTENT),
+    (chat("c2", ("user", None), ("assistant", "x")), Reason.NON_STRING_CONTENT),
+    (chat("c3", ("user", "fine"), ("assistant", 42)), Reason.NON_STRING_CONTENT),
+    (chat("x1", ("user", "FORBIDDEN"), ("assistant", "x")), Reason.TEMPLATE_ERROR),
+    (chat("x2", ("user", "ok"), ("assistant", "FORBIDDEN")), Reason.TEMPLATE_ERROR),
+    (tokens("v1", [1, 2, 99999], [0, 1, 1]), Reason.IDS_OUT_OF_VOCAB),
+    (tokens("v2", [-1, 3], [0, 1]), Reason.IDS_OUT_OF_VOCAB),
+    (tokens("k1", [1, 2, 3], [0, 1]), Reason.MASK_LENGTH_MISMATCH),
+    (tokens("k2", [1], [1, 1, 1]), Reason.MASK_LENGTH_MISMATCH),
+    (chat("n1", ("user", "Is anyone there?")), Reason.NO_ASSISTANT_TOKENS),
+    (tokens("n2", [5, 6, 7], [0, 0, 0]), Reason.NO_ASSISTANT_TOKENS),
+    (chat("l1", ("user", "word " * 400), ("assistant", "ok")), Reason.TOO_LONG),
+    (tokens("l2", [5] * (MAX_LENGTH + 1), [1] * (MAX_LENGTH + 1)), Reason.TOO_LONG),
+    (chat("g0", *QA), Reason.DUPLICATE_ID),
+    (tokens("g1", [5, 6], [0, 1]), Reason.DUPLICATE_ID),
+]
+DATASET_REASONS = {r for r in Reason if r.value not in {"id_mismatch", "length_mismatch", "non_finite", "no_dump",
+                                                          "server_error"}}
+
+
+def corpus() -> tuple[bytes, dict[int, Reason], int]:
+    """Good rows ("g0", "g1", ...) with the malformed ones spread among them (and blank lines,
+    which are not rows). Returns (file bytes, expected reason by row index, good row count)."""
+    good = [json.dumps(r).encode() for r in chat_rows(24, words=8, prefix="g")]
+    lines: list[bytes] = []
+    expected: dict[int, Reason] = {}
+    bad = iter(MALFORMED)
+    for row in good:
+        lines.append(row)
+        for _ in range(2):
+            item = next(bad, None)
+            if item is not None:
+                expected[len(lines)] = item[1]
+                lines.append(item[0])
+    for raw, reason in bad:
+        expected[len(lines)] = reason
+        lines.append(raw)
+    return b"\n\n".join(lines) + b"\n", expected, len(good)
+
+
+def test_the_corpus_covers_every_dataset_reason() -> None:
+    assert len(MALFORMED) >= 30
+    assert {r for _, r in MALFORMED} == DATASET_REASONS
+
+
+def test_each_malformed_row_gets_its_reason_everywhere(tmp_path: Path, fault_model: Path) -> None:
+    data, expected, good = corpus()
+    dataset = tmp_path / "corpus.jsonl"
+    dataset.write_bytes(data)
+    dumps = tmp_path / "dumps"
+    with reference_server(fault_model, dumps, ["--threads", "1"]) as url:
+        cfg = ExtractConfig.model_validate({
+            "runId": "r4",
+            "dataset": {"uri": str(dataset), "maxLength": MAX_LENGTH, "chatTemplate": REFUSING_TEMPLATE},
+            "output": {"uri": str(tmp_path / "out"), "shardTargetBytes": 1 << 20},
+            "modelPath": str(fault_model),
+            "serverUrl": url,
+            "dumpDir": str(dumps),
+            "concurrency": 4,
+            "progressPort": 0,
+            "logIntervalSeconds": 60,
+        })
+
+        async def scenario() -> tuple[Any, dict[str, Any], str]:
+            progress = Progress(cfg.runId, 0)
+            runner = await start_progress_server(progress, "127.0.0.1", 0)
+            try:
+                result = await Extraction(cfg, progress).run()
+                base = f"http://127.0.0.1:{bound_port(runner)}"
+                async with aiohttp.ClientSession() as http:
+                    async with http.get(f"{base}/progress") as r:
+                        seen = await r.json()
+                    async with http.get(f"{base}/metrics") as r:
+                        metrics = await r.text()
+            finally:
+                await runner.cleanup()
+            return result, seen, metrics
+
+        result, seen, metrics = asyncio.run(scenario())
+    counts = Counter(str(r) for r in expected.values())
+    samples, quarantined = stored(cfg.output.model_dump(), "r4")
+    assert quarantined == {i: str(r) for i, r in expected.items()}
+    assert len(samples) == good and not set(samples) & set(expected)
+    manifest = result.manifest
+    assert manifest is not None and manifest["quarantined"] == len(expected) and manifest["samples"] == good
+    assert {q["index"]: q["reason"] for q in manifest["quarantine"]} == quarantined
+    assert all(q["detail"] for q in manifest["quarantine"])
+    assert seen["state"] == "succeeded" and seen["samplesQuarantined"] == len(expected)
+    assert seen["quarantinedByReason"] == dict(counts)
+    assert seen["samplesDone"] == seen["samplesTotal"] == good + len(expected)
+    for reason, n in counts.items():
+        assert f'hsx_samples_quarantined_total{{reason="{reason}"}} {float(n)}' in metrics
+    report = run_verify(str(tmp_path / "out" / "r4"))
+    assert report.ok and report.quarantined == len(expected) and report.samples == good, report.summary_text()
