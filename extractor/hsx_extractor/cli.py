@@ -59,8 +59,11 @@ def _parse_set(values: Sequence[str]) -> dict[str, Any]:
 
 def extract_config(args: argparse.Namespace) -> ExtractConfig:
     """The config from ``--config FILE`` (if any) with flags and ``--set`` applied on top."""
-    overrides = {field: getattr(args, flag) for flag, (field, _) in EXTRACT_FLAGS.items()
-                 if getattr(args, flag) is not None}
+    overrides = {
+        field: getattr(args, flag)
+        for flag, (field, _) in EXTRACT_FLAGS.items()
+        if getattr(args, flag) is not None
+    }
     overrides.update(_parse_set(args.set or []))
     if args.chat_template:
         overrides["dataset.chatTemplate"] = Path(args.chat_template).read_text()
@@ -106,8 +109,17 @@ def cmd_serve_reference(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"hsx serve-reference: {exc}", file=sys.stderr)
         return EXIT_PERMANENT
-    return run(args.model, args.dump_dir, args.host, args.port, args.aux_layer_ids, fault,
-               args.delay_ms / 1000.0, args.enable_test_hooks, args.threads)
+    return run(
+        args.model,
+        args.dump_dir,
+        args.host,
+        args.port,
+        args.aux_layer_ids,
+        fault,
+        args.delay_ms / 1000.0,
+        args.enable_test_hooks,
+        args.threads,
+    )
 
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
@@ -140,9 +152,12 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="hsx", description="Capture LLM hidden states for EAGLE-3 drafters.")
     sub = top.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("extract", help="run an extraction against a running server",
-                       description="Flags and --set FIELD=VALUE use the ExtractionJob spec's field names "
-                       "and override --config FILE.")
+    p = sub.add_parser(
+        "extract",
+        help="run an extraction against a running server",
+        description="Flags and --set FIELD=VALUE use the ExtractionJob spec's field names "
+        "and override --config FILE.",
+    )
     p.add_argument("--config", help="YAML/JSON file in ExtractionJob spec field names")
     for flag, (field, kind) in EXTRACT_FLAGS.items():
         p.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=kind, help=field)
@@ -153,7 +168,9 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="re-read a run's output and check every checksum")
     p.add_argument("output", help="the run's output: {output.uri}/{runId} (directory or s3://)")
     p.add_argument("--json", action="store_true", help="print a one-line JSON summary")
-    p.add_argument("--sample", type=float, default=None, metavar="F", help="check only this fraction of samples")
+    p.add_argument(
+        "--sample", type=float, default=None, metavar="F", help="check only this fraction of samples"
+    )
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("serve-reference", help="CPU reference server speaking hsx's subset of SGLang's API")
@@ -161,15 +178,29 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-dir", required=True, help="where dumps are written (one file per rid)")
     p.add_argument("--port", type=int, default=30000, help="0: any free port (printed on start)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--aux-layer-ids", type=int, nargs="+", default=None,
-                   help="SGLang's --return-aux-hidden-state-layer-ids (default: EAGLE-3's layers)")
+    p.add_argument(
+        "--aux-layer-ids",
+        type=int,
+        nargs="+",
+        default=None,
+        help="SGLang's --return-aux-hidden-state-layer-ids (default: EAGLE-3's layers)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     # Test hooks: deliberate misbehaviour.
-    p.add_argument("--fault", choices=["swap", "drop", "truncate", "add_bos", "nan", "error"],
-                   help="TEST HOOK: spoil requests on purpose")
-    p.add_argument("--fault-every", type=int, default=1, help="TEST HOOK: spoil samples whose index %% N == 0")
-    p.add_argument("--fault-first-attempt-only", action="store_true", help="TEST HOOK: serve retries correctly")
-    p.add_argument("--delay-ms", type=float, default=0.0, help="TEST HOOK: wait this long before each prefill")
+    p.add_argument(
+        "--fault",
+        choices=["swap", "drop", "truncate", "add_bos", "nan", "error"],
+        help="TEST HOOK: spoil requests on purpose",
+    )
+    p.add_argument(
+        "--fault-every", type=int, default=1, help="TEST HOOK: spoil samples whose index %% N == 0"
+    )
+    p.add_argument(
+        "--fault-first-attempt-only", action="store_true", help="TEST HOOK: serve retries correctly"
+    )
+    p.add_argument(
+        "--delay-ms", type=float, default=0.0, help="TEST HOOK: wait this long before each prefill"
+    )
     p.add_argument("--enable-test-hooks", action="store_true", help="TEST HOOK: allow POST /hsx_test/fault")
     p.set_defaults(func=cmd_serve_reference)
 

@@ -57,7 +57,9 @@ class ServerClient:
 
     async def health(self) -> bool:
         try:
-            async with self.session.get(f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            async with self.session.get(
+                f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=10)
+            ) as r:
                 return r.status == 200
         except (aiohttp.ClientError, TimeoutError):
             return False
@@ -112,4 +114,6 @@ class ServerClient:
                     last = f"HTTP {r.status}: {text[:300]}"
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
-        raise ServerUnavailable(f"/generate for {body['rid']} failed {self.connect_retries + 1} times: {last}")
+        raise ServerUnavailable(
+            f"/generate for {body['rid']} failed {self.connect_retries + 1} times: {last}"
+        )

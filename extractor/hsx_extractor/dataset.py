@@ -185,7 +185,11 @@ def prepare(row: MessagesRow | TokensRow, tokenizer: Renderer, max_length: int) 
 
 
 def read_samples(
-    lines: Iterator[bytes], tokenizer: Renderer, max_length: int, fmt: RowFormat = "auto", limit: int | None = None
+    lines: Iterator[bytes],
+    tokenizer: Renderer,
+    max_length: int,
+    fmt: RowFormat = "auto",
+    limit: int | None = None,
 ) -> Iterator[Prepared | Rejected]:
     """Every row of the dataset, prepared or rejected, in order (no duplicate check: see plan)."""
     for index, raw in enumerate(lines):

@@ -34,8 +34,21 @@ class ServerStartError(RuntimeError):
 @contextmanager
 def reference_server(model_dir: Path, dump_dir: Path, extra: list[str] | None = None) -> Iterator[str]:
     """Start ``hsx serve-reference`` on a free 127.0.0.1 port; yield its URL; stop it on exit."""
-    cmd = [sys.executable, "-m", "hsx_extractor.cli", "serve-reference", "--model", str(model_dir),
-           "--dump-dir", str(dump_dir), "--host", "127.0.0.1", "--port", "0", *(extra or [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hsx_extractor.cli",
+        "serve-reference",
+        "--model",
+        str(model_dir),
+        "--dump-dir",
+        str(dump_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        *(extra or []),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = _wait_listening(proc)
@@ -60,7 +73,7 @@ def _wait_listening(proc: subprocess.Popen[str]) -> str:
         seen.append(line)
         marker = "hsx reference server listening on "
         if line.startswith(marker):
-            return line[len(marker):].strip()
+            return line[len(marker) :].strip()
     raise ServerStartError("reference server did not start in time:\n" + "".join(seen[-30:]))
 
 
@@ -72,7 +85,9 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def summary_lines(manifest: dict[str, Any], tokens: int, seconds: float, out: str, verified: str) -> list[str]:
+def summary_lines(
+    manifest: dict[str, Any], tokens: int, seconds: float, out: str, verified: str
+) -> list[str]:
     """The readable summary (pure, so it is tested)."""
     reasons = Counter(q["reason"] for q in manifest.get("quarantine", []))
     comp = manifest.get("compression", {})
@@ -123,18 +138,20 @@ def run_demo(output: str | Path = "demo-output", keep_model: bool = False) -> in
         dumps = work / "dumps"
         with reference_server(model, dumps, ["--threads", "2"]) as url:
             print(f"hsx demo: reference server on {url}; extracting {example_dataset_path()}", flush=True)
-            cfg = ExtractConfig.model_validate({
-                "runId": DEMO_RUN_ID,
-                "dataset": {"uri": str(example_dataset_path()), "maxLength": 256},
-                "output": {"uri": str(out_root), "shardTargetBytes": 1 << 20},
-                "modelPath": str(model),
-                "serverUrl": url,
-                "dumpDir": str(dumps),
-                "concurrency": 8,
-                "progressPort": 0,
-                "logIntervalSeconds": 2.0,
-                "validation": {"dumpTimeoutSeconds": 30},
-            })
+            cfg = ExtractConfig.model_validate(
+                {
+                    "runId": DEMO_RUN_ID,
+                    "dataset": {"uri": str(example_dataset_path()), "maxLength": 256},
+                    "output": {"uri": str(out_root), "shardTargetBytes": 1 << 20},
+                    "modelPath": str(model),
+                    "serverUrl": url,
+                    "dumpDir": str(dumps),
+                    "concurrency": 8,
+                    "progressPort": 0,
+                    "logIntervalSeconds": 2.0,
+                    "validation": {"dumpTimeoutSeconds": 30},
+                }
+            )
             progress = Progress(cfg.runId, cfg.replicaIndex)
             code, result = asyncio.run(extract(cfg, progress))
             seconds = progress.elapsed

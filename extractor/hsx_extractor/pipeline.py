@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,32 +19,23 @@ from typing import Any
 import aiohttp
 
 from . import __version__, collect
-from .client import RequestRejected, ServerClient, ServerUnavailable
-from .collect import Collector
-from .config import EXIT_PERMANENT, EXIT_TRANSIENT, ExtractConfig
-from .dataset import DatasetError, Prepared, Rejected, iter_lines, parse_row, prepare, read_samples
+from .client import ServerClient
+from .config import ExtractConfig
+from .dataset import Prepared, Rejected, iter_lines, parse_row, prepare, read_samples
+from .failures import RunFailed, describe_failure, permanent
 from .plan import PLAN_NAME, PlanMismatch, ShardPlan, build_plan, replica_shards
 from .progress import Progress
-from .protocol import make_rid
 from .reasons import Reason
-from .shards import QuarantineEntry, SampleRecord, ShardCommit
-from .store import PermanentStoreError, ShardBuilder, Store, StoreError, open_store
+from .shards import ShardCommit
+from .store import Store, open_store
 from .tokens import ChatTokenizer, TokenizerError
-from .validate import DumpShapeError, Mismatch, MismatchGate
+from .validate import MismatchGate
+from .worker import ShardState, ShardWorker
+
+# Kept importable from here: runner, tests and benches use these names.
+__all__ = ["Extraction", "ModelShape", "RunFailed", "RunResult", "describe_failure", "permanent"]
 
 SERVER_START_TIMEOUT_S = 600.0
-
-
-class RunFailed(Exception):
-    """The run stops; ``exit_code`` is what ``hsx extract`` exits with."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-def permanent(message: str) -> RunFailed:
-    return RunFailed(message, EXIT_PERMANENT)
 
 
 @dataclass(frozen=True)
@@ -75,12 +64,19 @@ def model_shape(info: dict[str, Any], model_path: str | None) -> ModelShape:
 
         n = info.get("num_hidden_layers") or config.get("num_hidden_layers")
         if not n:
-            raise permanent("cannot tell which layers the server captures (no capture_layers, no layer count)")
+            raise permanent(
+                "cannot tell which layers the server captures (no capture_layers, no layer count)"
+            )
         layers = default_capture_layers(int(n))
     vocab = info.get("vocab_size") or config.get("vocab_size")
     arch = info.get("architecture") or (config.get("architectures") or [None])[0]
-    return ModelShape(int(hidden), tuple(int(j) for j in layers), int(vocab) if vocab else None, arch,
-                      info.get("model_path") or model_path)
+    return ModelShape(
+        int(hidden),
+        tuple(int(j) for j in layers),
+        int(vocab) if vocab else None,
+        arch,
+        info.get("model_path") or model_path,
+    )
 
 
 def check_vocab(shape: ModelShape, tokenizer_vocab: int, model_path: str | None) -> None:
@@ -109,14 +105,6 @@ def replica_from_env(cfg: ExtractConfig) -> ExtractConfig:
 
 
 @dataclass
-class _Shard:
-    index: int
-    indices: range
-    remaining: int
-    builder: ShardBuilder | None = None
-
-
-@dataclass
 class RunResult:
     """What a finished run did (this process only, plus the manifest if it wrote the last shard)."""
 
@@ -138,8 +126,8 @@ class Extraction:
         # A fresh key per process: a restarted extractor never reuses a rid the server has seen.
         self.rid_prefix = f"{cfg.runId}-r{self.cfg.replicaIndex}"
         self.run_key = f"{self.rid_prefix}-{os.urandom(3).hex()}"
-        self._store_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsx-store")
-        self._seal_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hsx-seal")
+        self.store_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsx-store")
+        self.seal_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hsx-seal")
 
     # ---- start: tokenizer, server, store, plan ----------------------------------------------
     def open_tokenizer(self) -> ChatTokenizer:
@@ -186,7 +174,11 @@ class Extraction:
         if not lengths:
             raise permanent(f"dataset {d.uri} has no rows")
         return build_plan(
-            self.plan_identity(tok, shape), lengths, ids, len(shape.capture_layers), shape.hidden_size,
+            self.plan_identity(tok, shape),
+            lengths,
+            ids,
+            len(shape.capture_layers),
+            shape.hidden_size,
             self.cfg.output.shardTargetBytes,
         )
 
@@ -236,8 +228,10 @@ class Extraction:
     async def _count_resumed(self, store: Store, plan: ShardPlan, done: list[int], mine: int) -> None:
         p = self.progress
         p.shards_total = mine
-        p.samples_total = sum(len(plan.shard_range(k)) for k in replica_shards(len(plan.shards),
-                              self.cfg.replicaIndex, self.cfg.replicaCount))
+        p.samples_total = sum(
+            len(plan.shard_range(k))
+            for k in replica_shards(len(plan.shards), self.cfg.replicaIndex, self.cfg.replicaCount)
+        )
         for k in done:
             commit = await asyncio.to_thread(store.get_commit, k)
             n = len(plan.shard_range(k))
@@ -264,20 +258,25 @@ class Extraction:
         }
 
     async def _extract(
-        self, store: Store, client: ServerClient, tok: ChatTokenizer, shape: ModelShape, plan: ShardPlan,
+        self,
+        store: Store,
+        client: ServerClient,
+        tok: ChatTokenizer,
+        shape: ModelShape,
+        plan: ShardPlan,
         todo: list[int],
     ) -> list[ShardCommit]:
-        shards = {k: _Shard(k, plan.shard_range(k), len(plan.shard_range(k))) for k in todo}
+        shards = {k: ShardState(k, plan.shard_range(k), len(plan.shard_range(k))) for k in todo}
         shard_of = {i: k for k in todo for i in plan.shard_range(k)}
-        worker = _ShardWorker(self, store, client, shape, shards, shard_of)
+        worker = ShardWorker(self, store, client, shape, shards, shard_of)
         try:
             await worker.run(self._reader(tok, plan, shard_of))
         except BaseException:
             await asyncio.to_thread(worker.abort_open)
             raise
         finally:
-            self._store_thread.shutdown(wait=False)
-            self._seal_threads.shutdown(wait=False)
+            self.store_thread.shutdown(wait=False)
+            self.seal_threads.shutdown(wait=False)
         unfinished = sorted(k for k, s in shards.items() if s.remaining)
         if unfinished:
             raise permanent(
@@ -286,9 +285,9 @@ class Extraction:
             )
         return worker.commits
 
-    def _reader(self, tok: ChatTokenizer, plan: ShardPlan, shard_of: dict[int, int]) -> Callable[
-        [Callable[[Prepared | Rejected], None]], None
-    ]:
+    def _reader(
+        self, tok: ChatTokenizer, plan: ShardPlan, shard_of: dict[int, int]
+    ) -> Callable[[Callable[[Prepared | Rejected], None]], None]:
         d = self.cfg.dataset
 
         def read(emit: Callable[[Prepared | Rejected], None]) -> None:
@@ -305,202 +304,3 @@ class Extraction:
                 emit(item)
 
         return read
-
-
-class _ShardWorker:
-    """The concurrent part: sends samples, collects their dumps, fills and seals shards."""
-
-    def __init__(
-        self, run: Extraction, store: Store, client: ServerClient, shape: ModelShape,
-        shards: dict[int, _Shard], shard_of: dict[int, int],
-    ) -> None:
-        self.run_ = run
-        self.cfg = run.cfg
-        self.progress = run.progress
-        self.store = store
-        self.client = client
-        self.shape = shape
-        self.shards = shards
-        self.shard_of = shard_of
-        self.collector = Collector(
-            self.cfg.dumpDir, stale_prefix=f"hsx-{run.rid_prefix}-", own_prefix=f"hsx-{run.run_key}-"
-        )
-        self.commits: list[ShardCommit] = []
-        # Samples between read and shard; twice the requests in flight keeps the server fed.
-        self._active = asyncio.Semaphore(2 * self.cfg.concurrency)
-
-    async def run(self, reader: Callable[[Callable[[Prepared | Rejected], None]], None]) -> None:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Prepared | Rejected | None] = asyncio.Queue(maxsize=4 * self.cfg.concurrency)
-        stop = threading.Event()
-
-        def emit(item: Prepared | Rejected) -> None:
-            if stop.is_set():
-                raise _ReaderStopped
-            asyncio.run_coroutine_threadsafe(queue.put(item), loop).result()
-
-        def produce() -> None:
-            # Tokenizing is CPU work: it runs in this thread, never in the event loop.
-            try:
-                reader(emit)
-            except _ReaderStopped:
-                return
-            except (OSError, ValueError, StoreError) as exc:
-                raise DatasetError(f"reading the dataset {self.cfg.dataset.uri}: {exc}") from exc
-            finally:
-                if not stop.is_set():
-                    asyncio.run_coroutine_threadsafe(queue.put(None), loop).result()
-
-        reading = loop.run_in_executor(None, produce)
-        pending: set[asyncio.Task[None]] = set()
-        try:
-            async with asyncio.TaskGroup() as group:
-                sweeper = group.create_task(self._sweep_forever())
-                while (item := await queue.get()) is not None:
-                    if isinstance(item, Rejected):
-                        entry = _quarantine(item.index, item.sample_id, item.reason, item.detail)
-                        task = group.create_task(self._resolve(item.index, entry))
-                    else:
-                        await self._active.acquire()
-                        task = group.create_task(self._sample(item))
-                        task.add_done_callback(lambda _: self._active.release())
-                    pending.add(task)
-                    task.add_done_callback(pending.discard)
-                await reading
-                while pending:
-                    await asyncio.wait(set(pending))
-                sweeper.cancel()
-        except* DatasetError as group_exc:
-            raise _first(group_exc, lambda e: permanent(str(e))) from None
-        except* RunFailed as group_exc:
-            raise _first(group_exc) from None
-        except* StoreError as group_exc:
-            raise _first(group_exc, lambda e: RunFailed(str(e), e.exit_code)) from None
-        except* ServerUnavailable as group_exc:
-            raise _first(group_exc, lambda e: RunFailed(str(e), EXIT_TRANSIENT)) from None
-        except* DumpShapeError as group_exc:
-            raise _first(group_exc, lambda e: permanent(str(e))) from None
-        finally:
-            stop.set()
-            while not queue.empty():  # unblock a reader waiting on a full queue
-                queue.get_nowait()
-
-    async def _sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            await asyncio.to_thread(self.collector.sweep)
-
-    async def _backpressure(self) -> None:
-        limit = self.cfg.dumpDirMaxBytes
-        waited_since: float | None = None
-        while (held := collect.waiting_bytes(self.cfg.dumpDir)) > limit:
-            waited_since = waited_since or time.monotonic()
-            if time.monotonic() - waited_since > 10:
-                self.progress.last_error = f"back-pressure: {held} bytes of dumps waiting > dumpDirMaxBytes {limit}"
-            await asyncio.sleep(0.02)
-
-    async def _sample(self, sample: Prepared) -> None:
-        v = self.cfg.validation
-        ids = sample.input_ids.tolist()
-        outcome: Mismatch | None = None
-        for attempt in range(v.maxRetries + 1):
-            await self._backpressure()
-            rid = make_rid(self.run_.run_key, sample.index, attempt)
-            try:
-                await self.client.generate(ids, rid)
-            except RequestRejected as exc:
-                outcome = Mismatch(Reason.SERVER_ERROR, f"rid {rid}: {exc}")
-                break
-            arrival = await self.collector.wait(rid, v.dumpTimeoutSeconds)
-            if arrival is None:
-                self.collector.abandon(rid)
-                outcome = Mismatch(Reason.NO_DUMP, f"no dump for {rid} within {v.dumpTimeoutSeconds:g}s "
-                                                   f"({attempt + 1} attempts)")
-                continue
-            checked = await asyncio.to_thread(
-                collect.check_collected, arrival, rid, sample.input_ids, self.shape.hidden_size,
-                len(self.shape.capture_layers), self.shape.capture_layers,
-            )
-            if isinstance(checked, Mismatch):
-                collect.remove(self.cfg.dumpDir, rid)
-                outcome = checked
-                break
-            record = SampleRecord(sample.index, sample.sample_id, sample.input_ids, sample.loss_mask,
-                                  checked.aux_hidden_states, checked.hidden_states)
-            await self._resolve(sample.index, record, rid)
-            self.gate.record(False)
-            return
-        assert outcome is not None
-        self.gate.record(True)
-        self.progress.last_error = f"sample {sample.index}: {outcome.reason}: {outcome.detail}"
-        if v.onMismatch == "fail":
-            raise permanent(f"validation.onMismatch=fail: sample {sample.index} ({sample.sample_id}): "
-                            f"{outcome.reason}: {outcome.detail}")
-        await self._resolve(sample.index, _quarantine(sample.index, sample.sample_id, outcome.reason, outcome.detail))
-        verdict = self.gate.verdict()
-        if verdict:
-            raise permanent(verdict)
-
-    @property
-    def gate(self) -> MismatchGate:
-        return self.run_.gate
-
-    async def _resolve(self, index: int, item: SampleRecord | QuarantineEntry, rid: str | None = None) -> None:
-        """Hand one row's result to its shard (in the store thread); seal the shard when it is full."""
-        loop = asyncio.get_running_loop()
-        shard = self.shards[self.shard_of[index]]
-        full = await loop.run_in_executor(self.run_._store_thread, self._add, shard, item, rid)
-        if isinstance(item, SampleRecord):
-            self.progress.sample_done(item.seq_len)
-        else:
-            self.progress.sample_quarantined(item.reason)
-        if full:
-            assert shard.builder is not None
-            commit = await loop.run_in_executor(self.run_._seal_threads, shard.builder.seal)
-            self.commits.append(commit)
-            self.progress.shard_committed(commit.bytes_stored)
-
-    def _add(self, shard: _Shard, item: SampleRecord | QuarantineEntry, rid: str | None) -> bool:
-        if shard.builder is None:
-            shard.builder = self.store.open_shard(shard.index, shard.indices)
-        if isinstance(item, SampleRecord):
-            shard.builder.add(item)
-        else:
-            shard.builder.quarantine(item)
-        if rid is not None:
-            collect.remove(self.cfg.dumpDir, rid)  # in the shard's spool now; free the shm
-        shard.remaining -= 1
-        return shard.remaining == 0
-
-    def abort_open(self) -> None:
-        for shard in self.shards.values():
-            if shard.builder is not None and shard.builder.result is None:
-                shard.builder.abort()
-
-
-class _ReaderStopped(Exception):
-    """Tells the reader thread that the run ended without it."""
-
-
-def _quarantine(index: int, sample_id: str | None, reason: str, detail: str) -> QuarantineEntry:
-    return QuarantineEntry(index, sample_id, str(reason), detail)
-
-
-def _first(group: BaseExceptionGroup[Any], convert: Callable[[Any], BaseException] | None = None) -> BaseException:
-    exc = group.exceptions[0]
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return convert(exc) if convert else exc
-
-
-def describe_failure(exc: BaseException) -> tuple[str, int]:
-    """Message and exit code for any error that ends a run."""
-    if isinstance(exc, RunFailed):
-        return str(exc), exc.exit_code
-    if isinstance(exc, PermanentStoreError | DatasetError):
-        return str(exc), EXIT_PERMANENT
-    if isinstance(exc, StoreError):
-        return str(exc), exc.exit_code
-    if isinstance(exc, ServerUnavailable):
-        return str(exc), EXIT_TRANSIENT
-    return f"{type(exc).__name__}: {exc}", EXIT_TRANSIENT

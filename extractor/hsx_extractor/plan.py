@@ -84,7 +84,9 @@ class ShardPlan:
         return cls(
             identity=dict(data["identity"]),
             rows=int(data["rows"]),
-            shards=[(int(s["start"]), int(s["stop"])) for s in sorted(data["shards"], key=lambda s: s["index"])],
+            shards=[
+                (int(s["start"]), int(s["stop"])) for s in sorted(data["shards"], key=lambda s: s["index"])
+            ],
             duplicates=frozenset(int(i) for i in data.get("duplicates", [])),
         )
 

@@ -199,7 +199,9 @@ class ReferenceServer:
     async def set_fault(self, request: web.Request) -> web.Response:
         body = await request.json()
         try:
-            self.fault = FaultPlan(body.get("kind"), int(body.get("every", 1)), bool(body.get("firstAttemptOnly")))
+            self.fault = FaultPlan(
+                body.get("kind"), int(body.get("every", 1)), bool(body.get("firstAttemptOnly"))
+            )
             self.delay_s = float(body.get("delayMs", 0)) / 1000.0
         except (ValueError, TypeError) as exc:
             return _error(400, str(exc))

@@ -9,7 +9,8 @@ import signal
 import sys
 
 from .config import EXIT_OK, EXIT_TRANSIENT, ExtractConfig
-from .pipeline import Extraction, RunResult, describe_failure
+from .failures import describe_failure
+from .pipeline import Extraction, RunResult
 from .progress import Progress, report_loop, start_progress_server
 
 

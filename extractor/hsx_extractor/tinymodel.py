@@ -94,7 +94,9 @@ def build_tokenizer(out_dir: Path, vocab_size: int, corpus: Path | None = None) 
     fast.save_pretrained(str(out_dir))
 
 
-def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, corpus: Path | None = None) -> Path:
+def build_tiny_model(
+    out_dir: str | Path, spec: TinyModelSpec | None = None, corpus: Path | None = None
+) -> Path:
     """Write a complete model directory (config, safetensors weights, tokenizer) to ``out_dir``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -38,7 +38,9 @@ class TokenizerError(RuntimeError):
     """The tokenizer cannot produce exact tokens and loss masks (a permanent, start-of-run error)."""
 
 
-def fingerprint(tokenizer_dir: str | os.PathLike[str], chat_template: str | None, special: dict[str, Any]) -> str:
+def fingerprint(
+    tokenizer_dir: str | os.PathLike[str], chat_template: str | None, special: dict[str, Any]
+) -> str:
     """sha256 (hex) over the tokenizer files, the chat template in use and the special-token settings."""
     digest = hashlib.sha256(b"hsx-tokenizer/1\0")
     root = Path(tokenizer_dir)
@@ -61,7 +63,10 @@ class ChatTokenizer:
         from transformers import AutoTokenizer
 
         self.path = Path(tokenizer_dir)
-        if not (self.path / "tokenizer.json").is_file() and not (self.path / "tokenizer_config.json").is_file():
+        if (
+            not (self.path / "tokenizer.json").is_file()
+            and not (self.path / "tokenizer_config.json").is_file()
+        ):
             raise TokenizerError(f"{self.path} holds no tokenizer (tokenizer.json / tokenizer_config.json)")
         try:
             self._tok = AutoTokenizer.from_pretrained(str(self.path))

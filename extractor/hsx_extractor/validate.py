@@ -53,7 +53,11 @@ def check_dump(
         raise DumpShapeError(
             f"dump {rid}: hidden size {meta.hidden_size}, capture layers {list(meta.capture_layers)}; "
             f"the run expects hidden size {hidden_size}, "
-            + (f"capture layers {list(capture_layers)}" if capture_layers is not None else f"{num_aux} capture layers")
+            + (
+                f"capture layers {list(capture_layers)}"
+                if capture_layers is not None
+                else f"{num_aux} capture layers"
+            )
             + " (from /get_model_info, else the model's config and EAGLE-3's default layers)"
         )
     if meta.rid != rid:
@@ -62,7 +66,9 @@ def check_dump(
     got = dump.input_ids
     if got.shape[0] != length or not np.array_equal(got, sent_ids):
         first = _first_difference(sent_ids, got)
-        return Mismatch(Reason.ID_MISMATCH, f"sent {length} ids, server ran {got.shape[0]}; first difference at {first}")
+        return Mismatch(
+            Reason.ID_MISMATCH, f"sent {length} ids, server ran {got.shape[0]}; first difference at {first}"
+        )
     rows = (dump.aux_hidden_states.shape[0], dump.hidden_states.shape[0])
     if rows != (length, length):
         return Mismatch(Reason.LENGTH_MISMATCH, f"{length} tokens but aux/final rows {rows[0]}/{rows[1]}")

@@ -1,0 +1,249 @@
+"""The concurrent part of a run: send samples, collect each one's dump by rid, validate, fill
+and seal shards. At most ``concurrency`` requests are at the server and twice that many samples
+are between reading and their shard; tokenizing runs in a thread, store I/O in its own threads."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import collect
+from .client import RequestRejected, ServerClient, ServerUnavailable
+from .collect import Collector
+from .config import EXIT_TRANSIENT
+from .dataset import DatasetError, Prepared, Rejected
+from .failures import RunFailed, permanent
+from .protocol import make_rid
+from .reasons import Reason
+from .shards import QuarantineEntry, SampleRecord, ShardCommit
+from .store import ShardBuilder, Store, StoreError
+from .validate import DumpShapeError, Mismatch, MismatchGate
+
+if TYPE_CHECKING:
+    from .pipeline import Extraction, ModelShape
+
+
+@dataclass
+class ShardState:
+    index: int
+    indices: range
+    remaining: int
+    builder: ShardBuilder | None = None
+
+
+class ShardWorker:
+    """The concurrent part: sends samples, collects their dumps, fills and seals shards."""
+
+    def __init__(
+        self,
+        run: Extraction,
+        store: Store,
+        client: ServerClient,
+        shape: ModelShape,
+        shards: dict[int, ShardState],
+        shard_of: dict[int, int],
+    ) -> None:
+        self.run_ = run
+        self.cfg = run.cfg
+        self.progress = run.progress
+        self.store = store
+        self.client = client
+        self.shape = shape
+        self.shards = shards
+        self.shard_of = shard_of
+        self.collector = Collector(
+            self.cfg.dumpDir, stale_prefix=f"hsx-{run.rid_prefix}-", own_prefix=f"hsx-{run.run_key}-"
+        )
+        self.commits: list[ShardCommit] = []
+        # Samples between read and shard; twice the requests in flight keeps the server fed.
+        self._active = asyncio.Semaphore(2 * self.cfg.concurrency)
+
+    async def run(self, reader: Callable[[Callable[[Prepared | Rejected], None]], None]) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Prepared | Rejected | None] = asyncio.Queue(maxsize=4 * self.cfg.concurrency)
+        stop = threading.Event()
+
+        def emit(item: Prepared | Rejected) -> None:
+            if stop.is_set():
+                raise _ReaderStopped
+            asyncio.run_coroutine_threadsafe(queue.put(item), loop).result()
+
+        def produce() -> None:
+            # Tokenizing is CPU work: it runs in this thread, never in the event loop.
+            try:
+                reader(emit)
+            except _ReaderStopped:
+                return
+            except (OSError, ValueError, StoreError) as exc:
+                raise DatasetError(f"reading the dataset {self.cfg.dataset.uri}: {exc}") from exc
+            finally:
+                if not stop.is_set():
+                    asyncio.run_coroutine_threadsafe(queue.put(None), loop).result()
+
+        reading = loop.run_in_executor(None, produce)
+        pending: set[asyncio.Task[None]] = set()
+        try:
+            async with asyncio.TaskGroup() as group:
+                sweeper = group.create_task(self._sweep_forever())
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, Rejected):
+                        entry = _quarantine(item.index, item.sample_id, item.reason, item.detail)
+                        task = group.create_task(self._resolve(item.index, entry))
+                    else:
+                        await self._active.acquire()
+                        task = group.create_task(self._sample(item))
+                        task.add_done_callback(lambda _: self._active.release())
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                await reading
+                while pending:
+                    await asyncio.wait(set(pending))
+                sweeper.cancel()
+        except* DatasetError as group_exc:
+            raise _first(group_exc, lambda e: permanent(str(e))) from None
+        except* RunFailed as group_exc:
+            raise _first(group_exc) from None
+        except* StoreError as group_exc:
+            raise _first(group_exc, lambda e: RunFailed(str(e), e.exit_code)) from None
+        except* ServerUnavailable as group_exc:
+            raise _first(group_exc, lambda e: RunFailed(str(e), EXIT_TRANSIENT)) from None
+        except* DumpShapeError as group_exc:
+            raise _first(group_exc, lambda e: permanent(str(e))) from None
+        finally:
+            stop.set()
+            while not queue.empty():  # unblock a reader waiting on a full queue
+                queue.get_nowait()
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            await asyncio.to_thread(self.collector.sweep)
+
+    async def _backpressure(self) -> None:
+        limit = self.cfg.dumpDirMaxBytes
+        waited_since: float | None = None
+        while (held := collect.waiting_bytes(self.cfg.dumpDir)) > limit:
+            waited_since = waited_since or time.monotonic()
+            if time.monotonic() - waited_since > 10:
+                self.progress.last_error = (
+                    f"back-pressure: {held} bytes of dumps waiting > dumpDirMaxBytes {limit}"
+                )
+            await asyncio.sleep(0.02)
+
+    async def _sample(self, sample: Prepared) -> None:
+        v = self.cfg.validation
+        ids = sample.input_ids.tolist()
+        outcome: Mismatch | None = None
+        for attempt in range(v.maxRetries + 1):
+            await self._backpressure()
+            rid = make_rid(self.run_.run_key, sample.index, attempt)
+            try:
+                await self.client.generate(ids, rid)
+            except RequestRejected as exc:
+                outcome = Mismatch(Reason.SERVER_ERROR, f"rid {rid}: {exc}")
+                break
+            arrival = await self.collector.wait(rid, v.dumpTimeoutSeconds)
+            if arrival is None:
+                self.collector.abandon(rid)
+                outcome = Mismatch(
+                    Reason.NO_DUMP,
+                    f"no dump for {rid} within {v.dumpTimeoutSeconds:g}s ({attempt + 1} attempts)",
+                )
+                continue
+            checked = await asyncio.to_thread(
+                collect.check_collected,
+                arrival,
+                rid,
+                sample.input_ids,
+                self.shape.hidden_size,
+                len(self.shape.capture_layers),
+                self.shape.capture_layers,
+            )
+            if isinstance(checked, Mismatch):
+                collect.remove(self.cfg.dumpDir, rid)
+                outcome = checked
+                break
+            record = SampleRecord(
+                sample.index,
+                sample.sample_id,
+                sample.input_ids,
+                sample.loss_mask,
+                checked.aux_hidden_states,
+                checked.hidden_states,
+            )
+            await self._resolve(sample.index, record, rid)
+            self.gate.record(False)
+            return
+        assert outcome is not None
+        self.gate.record(True)
+        self.progress.last_error = f"sample {sample.index}: {outcome.reason}: {outcome.detail}"
+        if v.onMismatch == "fail":
+            raise permanent(
+                f"validation.onMismatch=fail: sample {sample.index} ({sample.sample_id}): "
+                f"{outcome.reason}: {outcome.detail}"
+            )
+        await self._resolve(
+            sample.index, _quarantine(sample.index, sample.sample_id, outcome.reason, outcome.detail)
+        )
+        verdict = self.gate.verdict()
+        if verdict:
+            raise permanent(verdict)
+
+    @property
+    def gate(self) -> MismatchGate:
+        return self.run_.gate
+
+    async def _resolve(
+        self, index: int, item: SampleRecord | QuarantineEntry, rid: str | None = None
+    ) -> None:
+        """Hand one row's result to its shard (in the store thread); seal the shard when it is full."""
+        loop = asyncio.get_running_loop()
+        shard = self.shards[self.shard_of[index]]
+        full = await loop.run_in_executor(self.run_.store_thread, self._add, shard, item, rid)
+        if isinstance(item, SampleRecord):
+            self.progress.sample_done(item.seq_len)
+        else:
+            self.progress.sample_quarantined(item.reason)
+        if full:
+            assert shard.builder is not None
+            commit = await loop.run_in_executor(self.run_.seal_threads, shard.builder.seal)
+            self.commits.append(commit)
+            self.progress.shard_committed(commit.bytes_stored)
+
+    def _add(self, shard: ShardState, item: SampleRecord | QuarantineEntry, rid: str | None) -> bool:
+        if shard.builder is None:
+            shard.builder = self.store.open_shard(shard.index, shard.indices)
+        if isinstance(item, SampleRecord):
+            shard.builder.add(item)
+        else:
+            shard.builder.quarantine(item)
+        if rid is not None:
+            collect.remove(self.cfg.dumpDir, rid)  # in the shard's spool now; free the shm
+        shard.remaining -= 1
+        return shard.remaining == 0
+
+    def abort_open(self) -> None:
+        for shard in self.shards.values():
+            if shard.builder is not None and shard.builder.result is None:
+                shard.builder.abort()
+
+
+class _ReaderStopped(Exception):
+    """Tells the reader thread that the run ended without it."""
+
+
+def _quarantine(index: int, sample_id: str | None, reason: str, detail: str) -> QuarantineEntry:
+    return QuarantineEntry(index, sample_id, str(reason), detail)
+
+
+def _first(
+    group: BaseExceptionGroup[Any], convert: Callable[[Any], BaseException] | None = None
+) -> BaseException:
+    exc = group.exceptions[0]
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return convert(exc) if convert else exc
