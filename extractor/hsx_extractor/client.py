@@ -29,12 +29,16 @@ class RequestRejected(RuntimeError):
 
 
 def generate_body(input_ids: Sequence[int], rid: str) -> dict[str, Any]:
-    """One prefill, one generated token, nothing but the dump wanted back."""
+    """One prefill, one generated token; the dump is the wanted result.
+
+    ``return_hidden_states`` must be true: SGLang only runs the hooked result path for batches
+    that ask for hidden states, and the hook then writes them to the dump instead of the response.
+    """
     return {
         "input_ids": [int(i) for i in input_ids],
         "rid": rid,
         "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-        "return_hidden_states": False,
+        "return_hidden_states": True,
     }
 
 

@@ -29,7 +29,12 @@ def post(server: RefServer, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
 
 
 def gen(ids: list[int], rid: str) -> dict[str, Any]:
-    return {"input_ids": ids, "rid": rid, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    return {
+        "input_ids": ids,
+        "rid": rid,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "return_hidden_states": True,
+    }
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -96,6 +101,9 @@ def test_duplicate_rid_and_bad_requests_are_rejected(ref_server: RefServer) -> N
     assert post(ref_server, {"text": "hello", "rid": "t-1"})[0] == 400
     assert post(ref_server, gen([1, 10**6], "big-1"))[0] == 400
     assert post(ref_server, gen([1, 2], "../escape"))[0] == 400
+    status, body = post(ref_server, {**gen([1, 2], "no-hs-1"), "return_hidden_states": False})
+    assert status == 400 and "return_hidden_states" in body["error"]["message"]
+    assert not protocol.dump_path(ref_server.dump_dir, "no-hs-1").exists()
     protocol.dump_path(ref_server.dump_dir, "dup-1").unlink()
 
 
