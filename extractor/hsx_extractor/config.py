@@ -138,6 +138,11 @@ class ExtractConfig(_Spec):
         "dumpDir exceed this many bytes."
     )
     modelPath: str | None = Field(None, description="Model directory (tokenizer and config are read from it).")
+    auxLayerIds: list[int] | None = Field(
+        None,
+        description="The server's --return-aux-hidden-state-layer-ids (None: EAGLE-3's default). SGLang's "
+        "/get_model_info does not report the capture layers, so the extractor derives them from these.",
+    )
     replicaIndex: int = Field(0, ge=0, description="This pod's index among parallel replicas.")
     replicaCount: int = Field(1, ge=1, description="Number of parallel replicas; shard k goes to replica k % count.")
     progressPort: int = Field(8080, ge=0, le=65535, description="Port of /progress and /metrics (0: off).")

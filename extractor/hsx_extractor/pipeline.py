@@ -49,27 +49,37 @@ class ModelShape:
     model_path: str | None
 
 
-def model_shape(info: dict[str, Any], model_path: str | None) -> ModelShape:
-    """Shape from /get_model_info, falling back to the model's config.json (SGLang reports less)."""
-    config: dict[str, Any] = {}
+def model_shape(
+    info: dict[str, Any], model_path: str | None, aux_layer_ids: list[int] | None = None
+) -> ModelShape:
+    """Shape from /get_model_info, falling back to the model's config.json (SGLang reports less).
+
+    SGLang reports no capture layers: then they follow from the architecture, the layer count and
+    the server's aux layer ids by SGLang's own convention (hsx_extractor.layers).
+    """
+    top: dict[str, Any] = {}
     if model_path and (Path(model_path) / "config.json").is_file():
-        config = json.loads((Path(model_path) / "config.json").read_text())
-        config = config.get("text_config") or config
+        top = json.loads((Path(model_path) / "config.json").read_text())
+    # Multimodal checkpoints (Kimi-K2.5) keep the language model's sizes in text_config.
+    config = top.get("text_config") or top
     hidden = info.get("hidden_size") or config.get("hidden_size")
     if not hidden:
         raise permanent("neither /get_model_info nor the model's config.json gives the hidden size")
+    arch = info.get("architecture") or (top.get("architectures") or [None])[0]
     layers = info.get("capture_layers")
     if layers is None:
-        from .layers import default_capture_layers
+        from .layers import capture_layers
 
         n = info.get("num_hidden_layers") or config.get("num_hidden_layers")
         if not n:
             raise permanent(
                 "cannot tell which layers the server captures (no capture_layers, no layer count)"
             )
-        layers = default_capture_layers(int(n))
+        try:
+            layers = capture_layers(str(arch or ""), int(n), aux_layer_ids)
+        except ValueError as exc:
+            raise permanent(f"aux layer ids {aux_layer_ids}: {exc}") from exc
     vocab = info.get("vocab_size") or config.get("vocab_size")
-    arch = info.get("architecture") or (config.get("architectures") or [None])[0]
     return ModelShape(
         int(hidden),
         tuple(int(j) for j in layers),
@@ -212,7 +222,7 @@ class Extraction:
             client = ServerClient(cfg.serverUrl, session, cfg.concurrency)
             self.progress.watch_in_flight(lambda: client.in_flight)
             await client.wait_healthy(SERVER_START_TIMEOUT_S)
-            shape = model_shape(await client.model_info(), cfg.modelPath)
+            shape = model_shape(await client.model_info(), cfg.modelPath, cfg.auxLayerIds)
             check_vocab(shape, tok.vocab_size, cfg.modelPath)
             plan = await self.load_plan(store, tok, shape)
             mine = replica_shards(len(plan.shards), cfg.replicaIndex, cfg.replicaCount)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from hsx_extractor.config import RUN_ID_PATTERN, DatasetSpec, OutputSpec, ValidationSpec
+from hsx_extractor.sglang_hook.launch import OWNED_FLAGS
 
 GROUP = "hsx.dev"
 VERSION = "v1alpha1"
@@ -164,6 +165,9 @@ class Resources(_Spec):
     )
 
 
+_OWNED_FLAGS_CEL = "[" + ", ".join(f"'{f}'" for f in sorted(OWNED_FLAGS)) + "]"
+
+
 class ServerSpec(_Spec):
     """The patched SGLang server, run as a native sidecar that owns the GPUs."""
 
@@ -178,6 +182,14 @@ class ServerSpec(_Spec):
                     "!has(self.resources) || (!('nvidia.com/gpu' in self.resources.?requests.orValue({})) && "
                     "!('nvidia.com/gpu' in self.resources.?limits.orValue({})))",
                     "set server.gpus instead of nvidia.com/gpu in server.resources",
+                ),
+                cel(
+                    "!has(self.extraArgs) || self.extraArgs.all(a, !("
+                    + _OWNED_FLAGS_CEL
+                    + ").exists(f, a == f || a.startsWith(f + '=')))",
+                    "server.extraArgs may not set flags extraction mode owns ("
+                    + ", ".join(sorted(OWNED_FLAGS))
+                    + "); use model, server.gpus, server.tensorParallel and server.port instead",
                 ),
                 cel(
                     "!has(self.env) || self.env.all(e, e.name != 'SGLANG_HS_DUMP_DIR')",

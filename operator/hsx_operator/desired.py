@@ -17,7 +17,7 @@ import yaml
 
 from hsx_extractor.config import EXIT_PERMANENT, ExtractConfig
 from hsx_extractor.keys import MANIFEST_NAME
-from hsx_extractor.protocol import DUMP_DIR_ENV
+from hsx_extractor.sglang_hook.launch import server_args, server_env
 from hsx_operator.api import GROUP, KIND, VERSION, ExtractionJobSpec
 
 SERVER_CONTAINER = "sglang"
@@ -109,6 +109,7 @@ def extract_config(spec: ExtractionJobSpec) -> ExtractConfig:
         dumpDir=DUMP_DIR,
         dumpDirMaxBytes=spec.extractor.dumpDirMaxBytes,
         modelPath=spec.model.path,
+        auxLayerIds=spec.model.auxLayerIds or None,
         replicaCount=spec.parallelism,
         progressPort=spec.extractor.progressPort,
         progressHost="0.0.0.0",
@@ -133,32 +134,21 @@ def desired_config_map(owner: Owner, spec: ExtractionJobSpec) -> dict[str, Any]:
 
 
 def server_argv(spec: ExtractionJobSpec) -> list[str]:
-    """The SGLang command line: capture on, no radix cache, no chunked prefill (one dump row per token)."""
+    """The SGLang command line of extraction mode, built by the hook's own launcher.
+
+    One source of truth for the flags extraction needs (docs/sglang.md); it also refuses
+    ``extraArgs`` that would override them.
+    """
     tp = spec.tensor_parallel()
-    argv = [
-        "python3",
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
+    return server_args(
         spec.model.path,
-        "--tp",
-        str(tp),
-    ]
-    if spec.server.gpus // tp > 1:
-        argv += ["--dp", str(spec.server.gpus // tp)]
-    argv += [
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(spec.server.port),
-        "--enable-return-aux-hidden-states",
-        "--speculative-algorithm",
-        "EAGLE3",
-    ]
-    if spec.model.auxLayerIds:
-        argv += ["--return-aux-hidden-state-layer-ids", *(str(i) for i in spec.model.auxLayerIds)]
-    argv += ["--disable-radix-cache", "--chunked-prefill-size", "-1"]
-    return argv + list(spec.server.extraArgs)
+        tp,
+        spec.server.port,
+        spec.model.auxLayerIds or None,
+        spec.server.extraArgs,
+        host="0.0.0.0",  # the kubelet's probes come to the pod IP; no Service exposes the port
+        dp=spec.server.gpus // tp,
+    )
 
 
 def _startup_probe(spec: ExtractionJobSpec) -> dict[str, Any]:
@@ -259,7 +249,10 @@ def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None =
         "command": server_argv(spec),
         # A native sidecar: starts first, runs for the pod's life, does not block completion.
         "restartPolicy": "Always",
-        "env": [{"name": DUMP_DIR_ENV, "value": DUMP_DIR}, *(e.model_dump() for e in spec.server.env)],
+        "env": [
+            *({"name": k, "value": v} for k, v in server_env(DUMP_DIR).items()),
+            *(e.model_dump() for e in spec.server.env),
+        ],
         "ports": [{"name": "server", "containerPort": spec.server.port}],
         "startupProbe": _startup_probe(spec),
         "readinessProbe": {

@@ -86,6 +86,11 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "SGLANG_HS_DUMP_DIR is set by the operator",
     ),
     (
+        "extra-args-override-owned-flag",
+        _with("server.extraArgs", ["--mem-fraction-static", "0.8", "--tp-size=4"]),
+        "server.extraArgs may not set flags extraction mode owns",
+    ),
+    (
         "env-bad-name",
         _with("server.env", [{"name": "1BAD", "value": "x"}]),
         "spec.server.env[0].name: Invalid value",

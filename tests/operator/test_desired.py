@@ -120,14 +120,15 @@ def test_server_argv_turns_capture_on_and_prefix_caching_off() -> None:
         )
     )
     joined = " ".join(argv)
-    assert "--model-path /m" in joined and "--tp 8" in joined
+    assert "--model-path /m" in joined and "--tp-size 8" in joined and "--host 0.0.0.0" in joined
     assert "--enable-return-aux-hidden-states" in argv and "--speculative-algorithm EAGLE3" in joined
     assert "--return-aux-hidden-state-layer-ids 1 15 28" in joined
     assert "--disable-radix-cache" in argv and "--chunked-prefill-size -1" in joined
+    assert "--disable-prefill-cuda-graph" in argv
     dp = server_argv(
         make_spec(server={"gpus": 8, "tensorParallel": 4, "extraArgs": ["--mem-fraction-static", "0.8"]})
     )
-    assert " ".join(dp).count("--dp 2") == 1 and dp[-2:] == ["--mem-fraction-static", "0.8"]
+    assert " ".join(dp).count("--dp-size 2") == 1 and dp[-2:] == ["--mem-fraction-static", "0.8"]
 
 
 def test_model_sources_become_read_only_volumes() -> None:

@@ -30,7 +30,7 @@ TARGET_KWONLY = (
 )
 
 # Flags the operator must not let users override: extraction is wrong or impossible without them.
-_OWNED_FLAGS = frozenset(
+OWNED_FLAGS = frozenset(
     {
         "--model-path",
         "--tp-size",
@@ -81,7 +81,7 @@ def server_args(
     if chunked_prefill_size == 0 or chunked_prefill_size < -1:
         raise ValueError("chunked_prefill_size must be -1 (no chunking) or positive")
     extra = [str(a) for a in extra_args]
-    clashes = sorted({a.split("=", 1)[0] for a in extra} & _OWNED_FLAGS)
+    clashes = sorted({a.split("=", 1)[0] for a in extra} & OWNED_FLAGS)
     if clashes:
         raise ValueError(f"extra_args may not set {', '.join(clashes)}: extraction mode sets them")
     argv = [
