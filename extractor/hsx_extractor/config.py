@@ -44,8 +44,11 @@ class DatasetSpec(_Spec):
         description="Directory holding tokenizer.json and tokenizer_config.json. Defaults to the model path.",
     )
     maxLength: int = Field(
-        8192, ge=1, le=1_048_576, description="Longest sample in tokens; longer samples are quarantined "
-        "with reason too_long, never truncated."
+        8192,
+        ge=1,
+        le=1_048_576,
+        description="Longest sample in tokens; longer samples are quarantined "
+        "with reason too_long, never truncated.",
     )
     expectedTokenizerFingerprint: str | None = Field(
         None,
@@ -69,7 +72,8 @@ class OutputSpec(_Spec):
     )
     region: str | None = Field(None, description="S3 region. Defaults to the AWS configuration chain.")
     pathStyle: bool = Field(
-        False, description="Use path-style addressing (bucket in the path), needed by most S3-compatible stores."
+        False,
+        description="Use path-style addressing (bucket in the path), needed by most S3-compatible stores.",
     )
     credentialsSecret: str | None = Field(
         None,
@@ -119,35 +123,53 @@ class ValidationSpec(_Spec):
         300.0, gt=0, description="How long to wait for a request's dump after the server answered."
     )
     maxRetries: int = Field(
-        2, ge=0, le=10, description="Retries of a request whose dump did not arrive before quarantine (no_dump)."
+        2,
+        ge=0,
+        le=10,
+        description="Retries of a request whose dump did not arrive before quarantine (no_dump).",
     )
 
 
 class ExtractConfig(_Spec):
     """Everything ``hsx extract`` needs. The operator writes this file for each pod."""
 
-    runId: str = Field(description="Run identifier; output goes under {output.uri}/{runId}/.", pattern=RUN_ID_PATTERN)
+    runId: str = Field(
+        description="Run identifier; output goes under {output.uri}/{runId}/.", pattern=RUN_ID_PATTERN
+    )
     dataset: DatasetSpec
     output: OutputSpec
     validation: ValidationSpec = Field(default_factory=ValidationSpec)  # type: ignore[arg-type]
     concurrency: int = Field(32, ge=1, le=1024, description="Requests in flight at the server.")
     serverUrl: str = Field("http://127.0.0.1:30000", description="Base URL of the extraction server.")
-    dumpDir: str = Field("/dev/shm/hsx", description="Directory the server writes dumps into (shared memory).")
-    dumpDirMaxBytes: int = Field(
-        8 << 30, ge=1 << 20, description="Back-pressure: fewer requests are sent while dumps waiting in "
-        "dumpDir exceed this many bytes."
+    dumpDir: str = Field(
+        "/dev/shm/hsx", description="Directory the server writes dumps into (shared memory)."
     )
-    modelPath: str | None = Field(None, description="Model directory (tokenizer and config are read from it).")
+    dumpDirMaxBytes: int = Field(
+        8 << 30,
+        ge=1 << 20,
+        description="Back-pressure: fewer requests are sent while dumps waiting in "
+        "dumpDir exceed this many bytes.",
+    )
+    modelPath: str | None = Field(
+        None, description="Model directory (tokenizer and config are read from it)."
+    )
     auxLayerIds: list[int] | None = Field(
         None,
         description="The server's --return-aux-hidden-state-layer-ids (None: EAGLE-3's default). SGLang's "
         "/get_model_info does not report the capture layers, so the extractor derives them from these.",
     )
     replicaIndex: int = Field(0, ge=0, description="This pod's index among parallel replicas.")
-    replicaCount: int = Field(1, ge=1, description="Number of parallel replicas; shard k goes to replica k % count.")
+    replicaCount: int = Field(
+        1, ge=1, description="Number of parallel replicas; shard k goes to replica k % count."
+    )
     progressPort: int = Field(8080, ge=0, le=65535, description="Port of /progress and /metrics (0: off).")
     progressHost: str = Field("0.0.0.0", description="Address the progress server binds to.")
     logIntervalSeconds: float = Field(10.0, gt=0, description="Seconds between progress log lines.")
+    terminationMessagePath: str | None = Field(
+        None,
+        description="File that receives the final progress as JSON when the run ends (Kubernetes' "
+        "terminationMessagePath, /dev/termination-log); None: not written.",
+    )
 
     @field_validator("runId")
     @classmethod

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from collections import Counter
@@ -123,6 +124,20 @@ class Progress:
             quarantinedByReason=dict(sorted(self.quarantined.items())),
         )
         return values
+
+    def termination_message(self, limit: int = 4096) -> str:
+        """The final snapshot as compact JSON within Kubernetes' 4096-byte termination message.
+
+        What the operator reads once the pod is gone and /progress cannot be polled any more.
+        """
+        values = self.snapshot()
+        text = json.dumps(values, separators=(",", ":"))
+        if len(text.encode()) > limit:
+            values.pop("quarantinedByReason", None)
+            error = values.get("lastError") or ""
+            values["lastError"] = error[:1024] if error else error
+            text = json.dumps(values, separators=(",", ":"))
+        return text
 
     def log_line(self) -> str:
         s = self.snapshot()

@@ -267,7 +267,9 @@ class ReferenceServer:
             return _error(400, f"Duplicate request ID {rid}")
         # Patched SGLang only dumps requests that ask for hidden states; fail fast instead of a silent no-dump.
         if body.get("return_hidden_states") is not True:
-            return _error(400, "return_hidden_states must be true: SGLang writes no dump for this request otherwise")
+            return _error(
+                400, "return_hidden_states must be true: SGLang writes no dump for this request otherwise"
+            )
         return rid, ids
 
     def _serve_one(self, rid: str, ids: list[int], arrival: int) -> int:

@@ -46,10 +46,21 @@ async def extract(cfg: ExtractConfig, progress: Progress | None = None) -> tuple
         print(progress.log_line(), file=sys.stderr, flush=True)
         if runner is not None:
             await runner.cleanup()
+        if cfg.terminationMessagePath:
+            write_termination_message(cfg.terminationMessagePath, progress.termination_message())
     if result is not None:
         state = "manifest written" if result.manifest else "other replicas' shards pending; no manifest yet"
         print(f"hsx extract: done: {result.output} ({state})", flush=True)
     return code, result
+
+
+def write_termination_message(path: str, text: str) -> None:
+    """Best effort: a missing or read-only path must not turn a finished run into a failure."""
+    try:
+        with open(path, "w", encoding="utf-8") as out:
+            out.write(text)
+    except OSError as exc:
+        print(f"hsx extract: warning: cannot write termination message to {path}: {exc}", file=sys.stderr)
 
 
 def run_extract(cfg: ExtractConfig) -> int:

@@ -113,6 +113,7 @@ def extract_config(spec: ExtractionJobSpec) -> ExtractConfig:
         replicaCount=spec.parallelism,
         progressPort=spec.extractor.progressPort,
         progressHost="0.0.0.0",
+        terminationMessagePath="/dev/termination-log",
     )
 
 

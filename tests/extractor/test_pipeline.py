@@ -254,6 +254,30 @@ def test_tokenizer_fingerprint_mismatch_fails_at_start(tmp_path: Path, ref_serve
     assert ref_server.stats()["requests"] == 0
 
 
+def test_final_progress_is_left_as_the_termination_message(tmp_path: Path, ref_server: RefServer) -> None:
+    """What the operator reads after the pod is gone; written on success and on failure."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", [*chat_rows(4), "not json"])
+    message = tmp_path / "termination-log"
+    code, _, _ = run(base_config(tmp_path, ref_server, dataset, terminationMessagePath=str(message)))
+    final = json.loads(message.read_text())
+    assert code == EXIT_OK and final["state"] == "succeeded"
+    assert final["samplesDone"] == final["samplesTotal"] == 5 and final["samplesQuarantined"] == 1
+    assert final["shardsCommitted"] == final["shardsTotal"] and final["bytesCommitted"] > 0
+
+    failed = base_config(
+        tmp_path,
+        ref_server,
+        dataset,
+        "other",
+        terminationMessagePath=str(message),
+        dataset__expectedTokenizerFingerprint="0" * 64,
+    )
+    assert run(failed)[0] == EXIT_PERMANENT
+    final = json.loads(message.read_text())
+    assert final["state"] == "failed" and "tokenizer fingerprint mismatch" in final["lastError"]
+    assert len(message.read_bytes()) <= 4096
+
+
 def test_server_with_another_vocab_fails_at_start(tmp_path: Path, ref_server: RefServer) -> None:
     model = tmp_path / "model"
     shutil.copytree(ref_server.model, model)
