@@ -103,9 +103,11 @@ if [[ $REHEARSE == 0 ]] && ! grep -q "hsx: patched" "$WORK/server.log"; then
 fi
 
 step "extract"
+# SGLang's /get_model_info lacks the capture layers: the extractor derives them from the same ids.
 "$HSX" extract --run-id smoke --dataset "$WORK/data.jsonl" --format tokens --output "$WORK/out" \
   --model "$MODEL" --server-url "http://127.0.0.1:$PORT" --dump-dir "$DUMPS" \
-  --progress-port 0 --dump-timeout 120 --on-mismatch fail 2>&1 | tee "$WORK/extract.log" \
+  --progress-port 0 --dump-timeout 120 --on-mismatch fail \
+  ${LAYER_IDS:+--set "auxLayerIds=[${LAYER_IDS// /,}]"} 2>&1 | tee "$WORK/extract.log" \
   || { tail -50 "$WORK/server.log"; fail "hsx extract failed"; }
 
 step "verify"

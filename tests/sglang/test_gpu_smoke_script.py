@@ -72,7 +72,10 @@ def test_rehearsal_on_cpu_runs_every_step(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     run = subprocess.run(
-        ["bash", str(SCRIPT), str(model), "--rehearse-on-cpu", "--work", str(work), "--port", str(port)],
+        [
+            *("bash", str(SCRIPT), str(model), "--rehearse-on-cpu", "--work", str(work)),
+            *("--port", str(port), "--layer-ids", "0 2 3"),
+        ],
         capture_output=True,
         text=True,
         env=env,
