@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -89,6 +90,26 @@ def test_round_trip_of_every_tensor_is_byte_exact(s3_env: S3Server, s3_bucket: s
     assert _uploads(s3_env, s3_bucket) == []
 
 
+def seal_at_once(builders: list[Any]) -> list[object]:
+    """Seal every builder from its own thread, released together; each result or exception."""
+    results: list[object] = [None] * len(builders)
+    start = threading.Barrier(len(builders))
+
+    def seal(slot: int) -> None:
+        start.wait()
+        try:
+            results[slot] = builders[slot].seal()
+        except Exception as exc:
+            results[slot] = exc
+
+    threads = [threading.Thread(target=seal, args=(n,)) for n in range(len(builders))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
 def test_two_writers_racing_on_one_shard(s3_env: S3Server, s3_bucket: str) -> None:
     """Both seal the same shard at once: one object, one commit record, both report success."""
     spec = _spec(s3_env, s3_bucket)
@@ -98,21 +119,7 @@ def test_two_writers_racing_on_one_shard(s3_env: S3Server, s3_bucket: str) -> No
         for i in range(40):
             b.add(record(i, seq_len_of(i), 256))
         builders.append(b)
-    results: list[object] = [None, None]
-    start = threading.Barrier(2)
-
-    def seal(slot: int) -> None:
-        start.wait()
-        try:
-            results[slot] = builders[slot].seal()
-        except Exception as exc:
-            results[slot] = exc
-
-    threads = [threading.Thread(target=seal, args=(n,)) for n in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = seal_at_once(builders)
     assert all(not isinstance(r, Exception) for r in results), results
     assert results[0] == results[1]
     client = s3_env.client()
@@ -130,21 +137,7 @@ def test_two_writers_racing_with_different_content(s3_env: S3Server, s3_bucket: 
         for i in range(30):
             b.add(record(i, seq_len_of(i), 256, seed=seed))
         builders.append(b)
-    results: list[object] = [None, None]
-    start = threading.Barrier(2)
-
-    def seal(slot: int) -> None:
-        start.wait()
-        try:
-            results[slot] = builders[slot].seal()
-        except Exception as exc:
-            results[slot] = exc
-
-    threads = [threading.Thread(target=seal, args=(n,)) for n in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = seal_at_once(builders)
     winners = [r for r in results if not isinstance(r, Exception)]
     losers = [r for r in results if isinstance(r, ShardConflictError)]
     assert len(winners) == 1 and len(losers) == 1, results
