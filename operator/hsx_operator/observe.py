@@ -305,10 +305,13 @@ def _exit_summary(pods: Sequence[Mapping[str, Any]]) -> str:
         if term and term.get("exitCode"):
             code = term["exitCode"]
             kind = "permanent failure" if code == EXIT_PERMANENT else "failure"
-            detail = (term.get("message") or "").strip().splitlines()[-1:] or [term.get("reason", "")]
-            return f"extractor exited {code} ({kind}) in pod {pod['metadata'].get('name')}: {detail[0]}"[
-                :2000
-            ]
+            final = _terminated_progress(pod)
+            if final is not None:
+                detail = str(final.get("lastError") or term.get("reason", ""))
+            else:
+                lines = (term.get("message") or "").strip().splitlines()
+                detail = lines[-1] if lines else term.get("reason", "")
+            return f"extractor exited {code} ({kind}) in pod {pod['metadata'].get('name')}: {detail}"[:2000]
     return ""
 
 

@@ -43,6 +43,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hsx.node_agent")
 
+# The kubelet's defaults for a container's termination message.
+DEFAULT_TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+TERMINATION_MESSAGE_MAX_BYTES = 4096
+
 
 def run_quiet(argv: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True)
@@ -73,6 +77,7 @@ class Container:
     env: dict[str, str] = field(default_factory=dict)
     pull_tries: int = 0
     restart_pending: bool = False
+    termination_file: Path | None = None  # host file bound at the spec's terminationMessagePath
 
     @property
     def name(self) -> str:
@@ -406,6 +411,7 @@ class PodWorker(threading.Thread):
             base=self.agent.base_env(self.pod_name),
         )
         argv = container_argv(c.spec, env, rewrite(c.spec, pod))
+        c.termination_file = self._fresh_termination_file(c)
         script = self._mount_script(c)
         launcher = [
             shutil.which("ip") or "ip",
@@ -471,6 +477,11 @@ class PodWorker(threading.Thread):
             if mount.get("readOnly"):
                 lines.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
             placed.append(target)
+        if c.termination_file is not None:
+            target = c.spec.get("terminationMessagePath") or DEFAULT_TERMINATION_MESSAGE_PATH
+            self.agent.host_dirs.ensure(Path(target), True)
+            lines.append(f"[ -e {shlex.quote(target)} ] || touch {shlex.quote(target)}")
+            lines.append(f"mount --bind {shlex.quote(str(c.termination_file))} {shlex.quote(target)}")
         working_dir = c.spec.get("workingDir")
         if working_dir:
             if not any(working_dir.startswith(p.rstrip("/") + "/") or working_dir == p for p in placed):
@@ -478,6 +489,26 @@ class PodWorker(threading.Thread):
             lines.append(f"mkdir -p {shlex.quote(working_dir)} && cd {shlex.quote(working_dir)}")
         lines.append('exec "$@"')
         return "\n".join(lines)
+
+    def _fresh_termination_file(self, c: Container) -> Path:
+        """An empty file per container run, as the kubelet makes one for each container start."""
+        path = self.pod_dir / "termination" / f"{c.name}-{c.status.restart_count}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"")
+        return path
+
+    def _termination_message(self, c: Container, exit_code: int) -> str:
+        """The kubelet's rule: the file's first 4096 bytes; with FallbackToLogsOnError and an empty
+        file after a failure, the log's last 80 lines (at most 2048 bytes)."""
+        text = ""
+        if c.termination_file is not None and c.termination_file.exists():
+            with c.termination_file.open("rb") as f:
+                text = f.read(TERMINATION_MESSAGE_MAX_BYTES).decode(errors="replace")
+        policy = c.spec.get("terminationMessagePolicy", "File")
+        if not text and exit_code != 0 and policy == "FallbackToLogsOnError" and c.log_path.exists():
+            tail = c.log_path.read_bytes().splitlines()[-80:]
+            text = b"\n".join(tail)[-2048:].decode(errors="replace")
+        return text
 
     def _reap(self) -> None:
         now = time.monotonic()
@@ -496,6 +527,7 @@ class PodWorker(threading.Thread):
             status.state = "terminated"
             status.exit_code = exit_code_of(code)
             status.reason = "Completed" if status.exit_code == 0 else "Error"
+            status.message = self._termination_message(c, status.exit_code)
             status.finished_at = now_rfc3339()
             status.ready = status.started = False
             c.probes = []

@@ -538,3 +538,42 @@ def test_job_active_deadline_deletes_the_running_pod(kube_cluster, node, namespa
         60,
         "the Job controller's delete of the pod to be carried out by the node",
     )
+
+
+def test_termination_message_from_file_and_from_logs(kube_cluster, node, namespace):
+    """As the kubelet: each pod's own file at terminationMessagePath, or the log tail on failure."""
+    writes = {
+        "name": "c",
+        "image": IMAGE,
+        "command": python("open('/dev/termination-log', 'w').write('{\"done\": 3}')"),
+    }
+    custom = {
+        "name": "c",
+        "image": IMAGE,
+        "command": python("open('/var/tmp/hsx-term-msg', 'w').write('custom path')"),
+        "terminationMessagePath": "/var/tmp/hsx-term-msg",
+    }
+    fails = {
+        "name": "c",
+        "image": IMAGE,
+        "command": python("print('first'); print('why it failed'); raise SystemExit(3)"),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    silent = {"name": "c", "image": IMAGE, "command": ["true"]}
+    pods = {"writes": writes, "custom": custom, "fails": fails, "silent": silent}
+    apply(kube_cluster, *(pod_manifest(name, namespace, [c]) for name, c in pods.items()))
+
+    def terminated(name: str):
+        def check() -> dict | None:
+            statuses = get_json(kube_cluster, "pod", name, "-n", namespace)["status"].get("containerStatuses")
+            return ((statuses or [{}])[0].get("state") or {}).get("terminated")
+
+        return check
+
+    got = {name: wait_for(terminated(name), 90, f"pod {name} to end") for name in pods}
+    assert got["writes"]["message"] == '{"done": 3}'
+    assert got["custom"]["message"] == "custom path"
+    assert got["fails"]["exitCode"] == 3 and got["fails"]["message"].endswith("why it failed")
+    assert not got["silent"].get("message")
+    # The file was the container's own: nothing was left on the host by the pod that wrote it.
+    assert not Path("/dev/termination-log").exists() or Path("/dev/termination-log").read_text() == ""

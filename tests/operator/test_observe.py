@@ -205,6 +205,18 @@ def test_permanent_failure_is_reported_with_the_exit() -> None:
     assert cond(st, "Failed") == "True" and cond(st, "Stalled") == "True"
 
 
+def test_failure_message_takes_the_error_from_the_final_progress() -> None:
+    final = (
+        '{"state": "failed", "samplesDone": 4, "lastError": "tokenizer fingerprint mismatch: want a, got b"}'
+    )
+    term = {"state": {"terminated": {"exitCode": 3, "message": final}}}
+    failed = job_json(conditions=[{"type": "Failed", "status": "True", "reason": "PodFailurePolicy"}])
+    st = run(job=failed, pods=[pod_json(phase="Failed", extractor=term)]).status
+    assert "exited 3 (permanent failure)" in st.message
+    assert st.message.endswith("tokenizer fingerprint mismatch: want a, got b") and "{" not in st.message
+    assert st.progress.samplesDone == 4
+
+
 def test_retries_count_as_attempts() -> None:
     st = run(job=job_json(failed=2), pods=[pod_json(server=SERVER_READY, extractor=EXTRACTOR_RUNNING)]).status
     assert st.attempt == 3
