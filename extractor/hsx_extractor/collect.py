@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,19 +84,67 @@ def remove(dump_dir: str | os.PathLike[str], rid: str) -> None:
     protocol.error_path(dump_dir, rid).unlink(missing_ok=True)
 
 
-def waiting_bytes(dump_dir: str | os.PathLike[str]) -> int:
-    """Bytes of every file in the dump directory (partial ones included: they hold shm too)."""
+# A writer fills its partial file in one go (seconds at most); one untouched this long belongs to a
+# server that died mid-write and will never be renamed or removed by it.
+STALE_PARTIAL_SECONDS = 60.0
+
+
+def partial_rid(name: str) -> str | None:
+    """The rid a partial (``.{rid}{suffix}.{pid}.partial``) is being written for; None otherwise."""
+    if not (name.startswith(".") and name.endswith(protocol.PARTIAL_SUFFIX)):
+        return None
+    final, _, pid = name[1 : -len(protocol.PARTIAL_SUFFIX)].rpartition(".")
+    return protocol.rid_of(final) if pid.isdigit() else None
+
+
+def _is_stale_partial(name: str, mtime: float, now: float, stale_after: float) -> bool:
+    return name.endswith(protocol.PARTIAL_SUFFIX) and now - mtime > stale_after
+
+
+def waiting_bytes(
+    dump_dir: str | os.PathLike[str],
+    exclude_rids: Container[str] = (),
+    stale_after: float = STALE_PARTIAL_SECONDS,
+) -> int:
+    """Bytes of the files in the dump directory, except those of ``exclude_rids`` (the caller
+    counts them itself) and stale partials (a dead writer's; they would block back-pressure forever).
+    Live partials count: they hold shm too."""
     total = 0
+    now = time.time()
     try:
         with os.scandir(dump_dir) as entries:
             for entry in entries:
                 try:
-                    total += entry.stat(follow_symlinks=False).st_size
+                    st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
+                if _is_stale_partial(entry.name, st.st_mtime, now, stale_after):
+                    continue
+                rid = protocol.rid_of(entry.name) or partial_rid(entry.name)
+                if rid is not None and rid in exclude_rids:
+                    continue
+                total += st.st_size
     except FileNotFoundError:
         return 0
     return total
+
+
+def remove_stale_partials(
+    dump_dir: str | os.PathLike[str], stale_after: float = STALE_PARTIAL_SECONDS
+) -> int:
+    """Delete partial files no writer has touched for ``stale_after`` seconds; frees their shm."""
+    removed = 0
+    now = time.time()
+    with os.scandir(dump_dir) as entries:
+        for entry in entries:
+            try:
+                mtime = entry.stat(follow_symlinks=False).st_mtime
+            except FileNotFoundError:
+                continue
+            if _is_stale_partial(entry.name, mtime, now, stale_after):
+                Path(entry.path).unlink(missing_ok=True)
+                removed += 1
+    return removed
 
 
 def remove_with_prefix(dump_dir: str | os.PathLike[str], rid_prefix: str) -> int:
@@ -119,8 +168,10 @@ class Collector:
         poll_max: float = 0.05,
         stale_prefix: str | None = None,
         own_prefix: str | None = None,
+        stale_partial_seconds: float = STALE_PARTIAL_SECONDS,
     ) -> None:
         self.dump_dir = Path(dump_dir)
+        self.stale_partial_seconds = stale_partial_seconds
         self.poll_min = poll_min
         self.poll_max = poll_max
         # Rids given up on: a late dump for them is deleted when it appears, never used.
@@ -150,7 +201,7 @@ class Collector:
 
     def sweep(self) -> int:
         """Delete late arrivals of abandoned rids and of dead processes; returns how many files went."""
-        gone = 0
+        gone = remove_stale_partials(self.dump_dir, self.stale_partial_seconds)
         if self.stale_prefix is not None:
             for entry in os.scandir(self.dump_dir):
                 rid = protocol.rid_of(entry.name)

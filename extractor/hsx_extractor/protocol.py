@@ -169,6 +169,15 @@ def _tensor_entries(meta: DumpMeta, n_ids: int, n_aux_rows: int, n_final_rows: i
     return entries
 
 
+# Room for a dump's safetensors header (tensor table and metadata), which is a few hundred bytes.
+HEADER_ALLOWANCE = 4096
+
+
+def dump_bytes_bound(seq_len: int, hidden_size: int, num_aux: int) -> int:
+    """Bytes a dump of ``seq_len`` rows takes on disk, header included (an upper bound)."""
+    return 8 + HEADER_ALLOWANCE + seq_len * (4 + 2 * hidden_size * (num_aux + 1))
+
+
 def _encode_header(entries: dict[str, Any]) -> bytes:
     raw = json.dumps(entries, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes

@@ -17,7 +17,7 @@ from .collect import Collector
 from .config import EXIT_TRANSIENT
 from .dataset import DatasetError, Prepared, Rejected
 from .failures import RunFailed, permanent
-from .protocol import make_rid
+from .protocol import dump_bytes_bound, make_rid
 from .reasons import Reason
 from .shards import QuarantineEntry, SampleRecord, ShardCommit
 from .store import ShardBuilder, Store, StoreError
@@ -59,6 +59,8 @@ class ShardWorker:
             self.cfg.dumpDir, stale_prefix=f"hsx-{run.rid_prefix}-", own_prefix=f"hsx-{run.run_key}-"
         )
         self.commits: list[ShardCommit] = []
+        # Dump bytes expected for each request in flight (rid -> bytes), until its dump is gone.
+        self._reserved: dict[str, int] = {}
         # Samples between read and shard; twice the requests in flight keeps the server fed.
         self._active = asyncio.Semaphore(2 * self.cfg.concurrency)
 
@@ -123,14 +125,29 @@ class ShardWorker:
             await asyncio.sleep(1.0)
             await asyncio.to_thread(self.collector.sweep)
 
-    async def _backpressure(self) -> None:
+    async def _reserve(self, rid: str, nbytes: int) -> None:
+        """Wait until a dump of ``nbytes`` fits under dumpDirMaxBytes, counting the dumps of requests
+        in flight at their full size before they exist, then reserve its room.
+
+        Checking and reserving happen with no await between them, so concurrent senders cannot
+        overshoot the limit together. A sample bigger than the limit alone still goes once nothing
+        else of ours is in flight (it would wait forever otherwise) and is reported.
+        """
         limit = self.cfg.dumpDirMaxBytes
         waited_since: float | None = None
-        while (held := collect.waiting_bytes(self.cfg.dumpDir)) > limit:
+        while True:
+            on_disk = collect.waiting_bytes(self.cfg.dumpDir, exclude_rids=self._reserved)
+            held = on_disk + sum(self._reserved.values())
+            oversized_alone = nbytes > limit and held == 0
+            if held + nbytes <= limit or oversized_alone:
+                if oversized_alone:
+                    self.progress.last_error = f"back-pressure: one dump of {nbytes} bytes exceeds dumpDirMaxBytes {limit}; sent alone"
+                self._reserved[rid] = nbytes
+                return
             waited_since = waited_since or time.monotonic()
             if time.monotonic() - waited_since > 10:
                 self.progress.last_error = (
-                    f"back-pressure: {held} bytes of dumps waiting > dumpDirMaxBytes {limit}"
+                    f"back-pressure: {held} bytes of dumps waiting or expected > dumpDirMaxBytes {limit}"
                 )
             await asyncio.sleep(0.02)
 
@@ -138,46 +155,20 @@ class ShardWorker:
         v = self.cfg.validation
         ids = sample.input_ids.tolist()
         outcome: Mismatch | None = None
+        dump_bytes = dump_bytes_bound(len(ids), self.shape.hidden_size, len(self.shape.capture_layers))
         for attempt in range(v.maxRetries + 1):
-            await self._backpressure()
             rid = make_rid(self.run_.run_key, sample.index, attempt)
+            await self._reserve(rid, dump_bytes)
             try:
-                await self.client.generate(ids, rid)
-            except RequestRejected as exc:
-                outcome = Mismatch(Reason.SERVER_ERROR, f"rid {rid}: {exc}")
+                outcome = await self._attempt(sample, ids, rid, attempt)
+            finally:
+                # Its dump is in the shard, removed, or abandoned (swept when it lands).
+                self._reserved.pop(rid, None)
+            if outcome is None:
+                self.gate.record(False)
+                return
+            if outcome.reason != Reason.NO_DUMP:
                 break
-            arrival = await self.collector.wait(rid, v.dumpTimeoutSeconds)
-            if arrival is None:
-                self.collector.abandon(rid)
-                outcome = Mismatch(
-                    Reason.NO_DUMP,
-                    f"no dump for {rid} within {v.dumpTimeoutSeconds:g}s ({attempt + 1} attempts)",
-                )
-                continue
-            checked = await asyncio.to_thread(
-                collect.check_collected,
-                arrival,
-                rid,
-                sample.input_ids,
-                self.shape.hidden_size,
-                len(self.shape.capture_layers),
-                self.shape.capture_layers,
-            )
-            if isinstance(checked, Mismatch):
-                collect.remove(self.cfg.dumpDir, rid)
-                outcome = checked
-                break
-            record = SampleRecord(
-                sample.index,
-                sample.sample_id,
-                sample.input_ids,
-                sample.loss_mask,
-                checked.aux_hidden_states,
-                checked.hidden_states,
-            )
-            await self._resolve(sample.index, record, rid)
-            self.gate.record(False)
-            return
         assert outcome is not None
         self.gate.record(True)
         self.progress.last_error = f"sample {sample.index}: {outcome.reason}: {outcome.detail}"
@@ -192,6 +183,42 @@ class ShardWorker:
         verdict = self.gate.verdict()
         if verdict:
             raise permanent(verdict)
+
+    async def _attempt(self, sample: Prepared, ids: list[int], rid: str, attempt: int) -> Mismatch | None:
+        """One request for ``sample``: None once its record is in its shard, else why not."""
+        v = self.cfg.validation
+        try:
+            await self.client.generate(ids, rid)
+        except RequestRejected as exc:
+            return Mismatch(Reason.SERVER_ERROR, f"rid {rid}: {exc}")
+        arrival = await self.collector.wait(rid, v.dumpTimeoutSeconds)
+        if arrival is None:
+            self.collector.abandon(rid)
+            return Mismatch(
+                Reason.NO_DUMP, f"no dump for {rid} within {v.dumpTimeoutSeconds:g}s ({attempt + 1} attempts)"
+            )
+        checked = await asyncio.to_thread(
+            collect.check_collected,
+            arrival,
+            rid,
+            sample.input_ids,
+            self.shape.hidden_size,
+            len(self.shape.capture_layers),
+            self.shape.capture_layers,
+        )
+        if isinstance(checked, Mismatch):
+            collect.remove(self.cfg.dumpDir, rid)
+            return checked
+        record = SampleRecord(
+            sample.index,
+            sample.sample_id,
+            sample.input_ids,
+            sample.loss_mask,
+            checked.aux_hidden_states,
+            checked.hidden_states,
+        )
+        await self._resolve(sample.index, record, rid)
+        return None
 
     @property
     def gate(self) -> MismatchGate:

@@ -17,6 +17,7 @@ from hsx_extractor.config import EXIT_OK, EXIT_PERMANENT, PROGRESS_FIELDS, Extra
 from hsx_extractor.dataset import Prepared, iter_lines, read_samples
 from hsx_extractor.pipeline import Extraction, RunResult
 from hsx_extractor.progress import Progress, bound_port, start_progress_server
+from hsx_extractor.protocol import dump_bytes_bound
 from hsx_extractor.runner import extract
 from hsx_extractor.shards import SampleRecord
 from hsx_extractor.store import open_store
@@ -373,3 +374,24 @@ def test_backpressure_holds_requests_while_the_dump_dir_is_full(
         blocker.unlink(missing_ok=True)
     assert (requests_while_full, done_while_full) == (0, 0)
     assert result.manifest is not None and result.manifest["samples"] == 5
+
+
+def test_backpressure_counts_dumps_of_requests_in_flight_before_they_exist(
+    tmp_path: Path, ref_server: RefServer, tokenizer: Any
+) -> None:
+    """Room for the dumps of every request at the server is reserved up front, so the dump dir can
+    never pass dumpDirMaxBytes even when all of them finish at once."""
+    rows = chat_rows(12, words=120)
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    limit = 1 << 20
+    cfg = ExtractConfig.model_validate(
+        base_config(tmp_path, ref_server, dataset, dumpDirMaxBytes=limit, concurrency=16)
+    )
+    lengths = [len(tokenizer.render(row["messages"])[0]) for row in rows]
+    smallest = dump_bytes_bound(min(lengths), 64, 3)
+    assert 1 < limit // smallest < cfg.concurrency  # the limit, not the concurrency, must bind
+    ref_server.set_fault(None, delay_ms=150)
+    code, result, _ = run(cfg.model_dump())
+    assert code == EXIT_OK and result is not None and result.manifest is not None
+    assert result.manifest["samples"] == 12
+    assert 1 < ref_server.stats()["maxInFlight"] <= limit // smallest

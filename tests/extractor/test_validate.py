@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 
@@ -186,3 +187,22 @@ def test_sweep_removes_a_dead_processes_late_dumps(tmp_path: Path) -> None:
         "hsx-run-r1-xyz-3-a0.safetensors",
         "other.safetensors",
     ]
+
+
+def test_waiting_bytes_leaves_out_reserved_rids_and_dead_writers_partials(tmp_path: Path) -> None:
+    write(tmp_path, "hsx-run-r0-aaa-1-a0", [1, 2])
+    mine = tmp_path / "hsx-run-r0-aaa-1-a0.safetensors"
+    live = tmp_path / ".hsx-run-r0-aaa-2-a0.safetensors.123.partial"
+    live.write_bytes(b"x" * 100)
+    dead = tmp_path / ".hsx-run-r0-aaa-3-a0.safetensors.77.partial"
+    dead.write_bytes(b"x" * 1000)
+    old = time.time() - collect.STALE_PARTIAL_SECONDS - 5
+    os.utime(dead, (old, old))
+    assert collect.partial_rid(live.name) == "hsx-run-r0-aaa-2-a0"
+    assert collect.partial_rid("hsx-run-r0-aaa-1-a0.safetensors") is None
+    assert collect.waiting_bytes(tmp_path) == mine.stat().st_size + 100
+    assert collect.waiting_bytes(tmp_path, exclude_rids={"hsx-run-r0-aaa-1-a0"}) == 100
+    assert collect.waiting_bytes(tmp_path, exclude_rids={"hsx-run-r0-aaa-2-a0"}) == mine.stat().st_size
+    # The collector's sweep frees the dead writer's shm; a live partial is left to its writer.
+    assert Collector(tmp_path).sweep() == 1
+    assert not dead.exists() and live.exists() and mine.exists()
