@@ -68,7 +68,7 @@ def summary(results: dict[str, Any]) -> list[str]:
             row("memory", f"peak RSS, {r['concurrency']} in flight x {r['tokens_per_sample']} tok, H={r['hidden']}",
                 f"{r['peak_rss_bytes'] / 2**30:.2f} GiB")
             row("", f"peak shm vs dumpDirMaxBytes {r['dump_dir_max_bytes'] / 2**30:.2f} GiB",
-                f"{r['peak_dump_dir_bytes'] / 2**30:.2f} GiB")
+                f"{r['peak_dump_dir_bytes'] / 2**30:.2f} GiB", "<= limit")
     lines.append("=" * 100)
     return lines
 

@@ -3,6 +3,7 @@ subprocess with least-privilege RBAC, the hsx images mapped onto the node agent,
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -17,11 +18,15 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.operator.kube_helpers import Namespace
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 HSX = str(BIN / "hsx")
 OPERATOR_USER = "hsx-operator"
 POLL_SECONDS = "1"
+# Copies of the bundled chat dataset in the long dataset: ~6 shards at the smallest shardTargetBytes.
+COPIES = 5
 
 
 @pytest.fixture(scope="session")
@@ -76,6 +81,53 @@ def chat_dataset(op_workdir: Path) -> Path:
     target = op_workdir / "data" / "chat.jsonl"
     target.parent.mkdir(parents=True)
     shutil.copy(example_dataset_path(), target)
+    return target
+
+
+@pytest.fixture
+def ns(xj_crd: Any, namespace: str, request: pytest.FixtureRequest, node_agent: Any) -> Iterator[Namespace]:
+    space = Namespace(xj_crd, namespace)
+    yield space
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        # What the run looked like when the test gave up.
+        for xj in space.items("xj"):
+            print(f"--- xj {xj['metadata']['name']} status ---\n{json.dumps(xj.get('status'), indent=1)}")
+        for pod in space.items("pods"):
+            print(f"--- pod {pod['metadata']['name']} ---\n{json.dumps(pod.get('status'), indent=1)[:3000]}")
+            for c in ("sglang", "extractor"):
+                print(f"--- {c} log ---\n{node_agent.logs(namespace, pod['metadata']['name'], c)[-3000:]}")
+
+
+@pytest.fixture
+def run_env(
+    hsx_node: Any, tiny_model: Path, chat_dataset: Path, op_workdir: Path, namespace: str
+) -> dict[str, Any]:
+    out = op_workdir / "out" / namespace
+    return {"model_root": tiny_model.parent, "dataset": chat_dataset, "output": out}
+
+
+@pytest.fixture(scope="session")
+def long_dataset(op_workdir: Path) -> Path:
+    """The bundled chat dataset, its readable rows repeated COPIES times under new ids (its bad rows once)."""
+    from hsx_extractor.tinymodel import example_dataset_path
+
+    target = op_workdir / "data-long" / "chat-long.jsonl"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lines = example_dataset_path().read_bytes().splitlines()
+    out: list[bytes] = []
+    for copy in range(COPIES):
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            if not isinstance(row, dict) or not isinstance(row.get("id"), str):
+                if copy == 0:
+                    out.append(line)
+                continue
+            out.append(json.dumps({**row, "id": f"{row['id']}-c{copy}"}).encode() if copy else line)
+    target.write_bytes(b"\n".join(out) + b"\n")
     return target
 
 
