@@ -134,7 +134,8 @@ def test_server_killed_mid_run_is_restarted_and_the_run_completes(
     restarts = sum(
         s.get("restartCount", 0) for p in pods for s in p["status"].get("initContainerStatuses") or []
     )
-    assert restarts >= 1, [p["status"] for p in pods]
+    # The kubelet restarts the sidecar; if the extractor gave up first, the Job's retry took over.
+    assert restarts >= 1 or done["attempt"] >= 2, [p["status"] for p in pods]
     # Requests in flight when it died were answered by nobody; each row still ends up exactly once.
     assert_each_row_once(env["output"] / "r1", long_dataset)
 
