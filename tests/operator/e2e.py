@@ -14,8 +14,8 @@ from typing import Any
 from hsx_extractor.config import OutputSpec
 from hsx_extractor.keys import PLAN_NAME
 from hsx_extractor.store import open_store
-from tests.operator.conftest import HSX, POLL_SECONDS
-from tests.operator.kube_helpers import Namespace
+from tests.operator.conftest import HSX, POLL_SECONDS, wait_for
+from tests.operator.kube_helpers import Namespace, xj_manifest
 
 # Slow enough that a run lasts tens of seconds, so it can be caught between two shard commits.
 SLOW: dict[str, Any] = {"server": {"extraArgs": ["--delay-ms", "300"]}, "concurrency": 2}
@@ -127,3 +127,15 @@ def some_committed(run_dir: Path, run_id: str, ns: Namespace, name: str) -> Call
         return run_store(run_dir.parent, run_id).committed_shards() or None
 
     return check
+
+
+def start_slow_run(ns: Namespace, name: str, env: dict[str, Any], **spec: Any) -> Path:
+    """Apply a SLOW run of ``env`` as run r1 and return its output dir once it is Running with at
+    least one shard committed and more to go: the moment to disturb it."""
+    run_dir: Path = env["output"] / "r1"
+    ns.apply(xj_manifest(name, "r1", **env, **{**SLOW, **spec}))
+    running = wait_for(phase(ns, name, "Running", "Succeeded", "Failed"), 180, "Running")
+    assert running["phase"] == "Running", running
+    early = wait_for(some_committed(run_dir, "r1", ns, name), 240, "a committed shard")
+    assert early != "ended", ("the run ended before it could be disturbed; slow it down", ns.status(name))
+    return run_dir

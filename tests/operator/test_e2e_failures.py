@@ -27,7 +27,7 @@ from tests.operator.e2e import (
     planned_shards,
     progressed,
     run_store,
-    some_committed,
+    start_slow_run,
     verify,
 )
 from tests.operator.kube_helpers import Namespace, xj_manifest
@@ -121,10 +121,7 @@ def test_server_killed_mid_run_is_restarted_and_the_run_completes(
 ) -> None:
     start_operator()
     env = {**run_env, "dataset": long_dataset}
-    ns.apply(xj_manifest("srvdies", "r1", **env, **SLOW))
-    wait_for(phase(ns, "srvdies", "Running"), 180, "Running")
-    early = wait_for(some_committed(env["output"] / "r1", "r1", ns, "srvdies"), 240, "a committed shard")
-    assert early != "ended", ns.status("srvdies")
+    run_dir = start_slow_run(ns, "srvdies", env)
     (pod,) = ns.pods_of("srvdies-r1")
     hsx_node.kill_container(ns.name, pod["metadata"]["name"], "sglang", signal.SIGKILL)
 
@@ -137,7 +134,7 @@ def test_server_killed_mid_run_is_restarted_and_the_run_completes(
     # The kubelet restarts the sidecar; if the extractor gave up first, the Job's retry took over.
     assert restarts >= 1 or done["attempt"] >= 2, [p["status"] for p in pods]
     # Requests in flight when it died were answered by nobody; each row still ends up exactly once.
-    assert_each_row_once(env["output"] / "r1", long_dataset)
+    assert_each_row_once(run_dir, long_dataset)
 
 
 def test_extractor_killed_mid_run_is_retried_and_resumes_from_committed_shards(
@@ -149,11 +146,7 @@ def test_extractor_killed_mid_run_is_retried_and_resumes_from_committed_shards(
 ) -> None:
     start_operator()
     env = {**run_env, "dataset": long_dataset}
-    run_dir = env["output"] / "r1"
-    ns.apply(xj_manifest("oom", "r1", **env, **SLOW, backoffLimit=2))
-    wait_for(phase(ns, "oom", "Running"), 180, "Running")
-    early = wait_for(some_committed(run_dir, "r1", ns, "oom"), 240, "a committed shard")
-    assert early != "ended", ns.status("oom")
+    run_dir = start_slow_run(ns, "oom", env, backoffLimit=2)
     (first,) = ns.pods_of("oom-r1")
     hsx_node.kill_container(ns.name, first["metadata"]["name"], "extractor", signal.SIGKILL)  # an OOM kill
 

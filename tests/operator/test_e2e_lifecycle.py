@@ -22,7 +22,6 @@ import pytest
 from tests.operator.conftest import HSX, OperatorProcess, wait_for
 from tests.operator.e2e import (
     QUIET_SECONDS,
-    SLOW,
     committed_files,
     conditions,
     file_digests,
@@ -33,7 +32,7 @@ from tests.operator.e2e import (
     progressed,
     run_store,
     settled,
-    some_committed,
+    start_slow_run,
     verify,
 )
 from tests.operator.kube_helpers import Namespace, xj_manifest
@@ -50,13 +49,8 @@ def test_suspend_deletes_the_pod_keeps_shards_and_resume_continues_from_them(
 ) -> None:
     start_operator()
     env = {**run_env, "dataset": long_dataset}
-    run_dir = env["output"] / "r1"
-    ns.apply(xj_manifest("pause", "r1", **env, **SLOW))
-    running = wait_for(phase(ns, "pause", "Running", "Succeeded", "Failed"), 180, "Running")
-    assert running["phase"] == "Running", running
+    run_dir = start_slow_run(ns, "pause", env)
     first_pods = {p["metadata"]["name"] for p in ns.pods_of("pause-r1")}
-    early = wait_for(some_committed(run_dir, "r1", ns, "pause"), 240, "a committed shard")
-    assert early != "ended", ("the run ended before it could be suspended; slow it down", ns.status("pause"))
 
     patch_spec(ns, "pause", {"suspend": True})
     wait_for(lambda: not ns.pods_of("pause-r1"), 120, "the Job's pods to be deleted")
@@ -179,11 +173,7 @@ def test_deleting_a_running_job_removes_its_objects_and_keeps_its_data(
 ) -> None:
     start_operator()
     env = {**run_env, "dataset": long_dataset}
-    run_dir = env["output"] / "r1"
-    ns.apply(xj_manifest("gone", "r1", **env, **SLOW))
-    wait_for(phase(ns, "gone", "Running"), 180, "Running")
-    early = wait_for(some_committed(run_dir, "r1", ns, "gone"), 240, "a committed shard")
-    assert early != "ended", ("the run ended before it could be deleted; slow it down", ns.status("gone"))
+    run_dir = start_slow_run(ns, "gone", env)
     xj = ns.get("xj", "gone")
     assert xj is not None and "hsx.dev/finalizer" in xj["metadata"]["finalizers"]
     assert ns.get("configmap", "gone-r1-config") is not None
