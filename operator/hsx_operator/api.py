@@ -483,11 +483,15 @@ class Progress(_Status):
     """Work done by the run, summed over its pods."""
 
     samplesTotal: int = Field(default=0, description="Samples in the dataset (after limit).")
-    samplesDone: int = Field(default=0, description="Samples written to committed or pending shards.")
-    samplesQuarantined: int = Field(
-        default=0, description="Samples set aside with a reason instead of written."
+    samplesDone: int = Field(
+        default=0,
+        description="Samples finished: written to a shard or quarantined (samplesQuarantined of them); "
+        "equals samplesTotal when the run is done.",
     )
-    tokensDone: int = Field(default=0, description="Tokens of the done samples.")
+    samplesQuarantined: int = Field(
+        default=0, description="Of samplesDone, the samples set aside with a reason instead of written."
+    )
+    tokensDone: int = Field(default=0, description="Tokens of the samples written.")
     samplesPerSecond: float = Field(default=0.0, description="Current sample rate.")
     tokensPerSecond: float = Field(default=0.0, description="Current token rate.")
     etaSeconds: float | None = Field(
@@ -500,7 +504,7 @@ class Progress(_Status):
         default=0,
         ge=0,
         le=100,
-        description="Processed samples (done + quarantined) as a percentage of samplesTotal.",
+        description="samplesDone as a percentage of samplesTotal.",
     )
     eta: str = Field(default="", description="etaSeconds, human-readable (1h2m).")
     lastUpdateTime: str | None = Field(
@@ -519,8 +523,8 @@ class ReplicaStatus(_Status):
         default="", description="The extractor's own state: starting, running, succeeded or failed."
     )
     samplesTotal: int = Field(default=0, description="Samples assigned to this replica.")
-    samplesDone: int = Field(default=0, description="Samples this replica has done.")
-    samplesQuarantined: int = Field(default=0, description="Samples this replica quarantined.")
+    samplesDone: int = Field(default=0, description="Samples this replica finished (written or quarantined).")
+    samplesQuarantined: int = Field(default=0, description="Of samplesDone, those quarantined.")
     tokensDone: int = Field(default=0, description="Tokens this replica has done.")
     samplesPerSecond: float = Field(default=0.0, description="This replica's sample rate.")
     tokensPerSecond: float = Field(default=0.0, description="This replica's token rate.")

@@ -351,8 +351,8 @@ def aggregate(replicas: Sequence[ReplicaStatus], running: bool, updated: str | N
     ]
     eta = max(etas) if etas and running else None
     total = sums["samplesTotal"]
-    processed = sums["samplesDone"] + sums["samplesQuarantined"]
-    percent = min(100, processed * 100 // total) if total else 0
+    # The extractor counts a quarantined sample as done (it is finished), so done alone is the progress.
+    percent = min(100, sums["samplesDone"] * 100 // total) if total else 0
     return Progress.model_validate(
         {
             **sums,
@@ -434,7 +434,8 @@ def observe(
         jst = job.get("status", {})
         created = job.get("metadata", {}).get("creationTimestamp")
         status.startTime = status.startTime or created or rfc3339(now)
-        status.attempt = 1 + int(jst.get("failed") or 0)
+        failures = int(jst.get("failed") or 0)
+        status.attempt = 1 + failures
         active = [p for p in pods if _is_active(p)]
         done = _job_condition(job, "Complete") or _job_condition(job, "SuccessCriteriaMet")
         failed = _job_condition(job, "Failed") or _job_condition(job, "FailureTarget")
@@ -446,6 +447,8 @@ def observe(
             status.completionTime = jst.get("completionTime") or rfc3339(now)
         elif failed:
             status.phase = "Failed"
+            # The last failure was not retried: it ended the run.
+            status.attempt = max(1, failures)
             reason = failed.get("reason") or "JobFailed"
             status.reason = "PermanentFailure" if reason == "PodFailurePolicy" else reason
             exits = _exit_summary(pods)

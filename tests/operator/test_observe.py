@@ -136,7 +136,7 @@ def test_progress_of_two_replicas_is_summed_and_kept_after_one_ends() -> None:
     st = run(job=job_json(), pods=[p0, p1], progress=reports).status
     p = st.progress
     assert (p.samplesTotal, p.samplesDone, p.samplesQuarantined, p.tokensDone) == (100, 45, 5, 4500)
-    assert p.tokensPerSecond == 250.0 and p.etaSeconds == 90 and p.eta == "1m30s" and p.percent == 50
+    assert p.tokensPerSecond == 250.0 and p.etaSeconds == 90 and p.eta == "1m30s" and p.percent == 45
     assert [r.index for r in st.replicas] == [0, 1]
     # Replica 0 finished (its pod is gone from the poll); its numbers stay in the sum.
     p0_done = pod_json("xj-r1-0-a", index=0, phase="Succeeded")
@@ -190,6 +190,7 @@ def test_job_lost_mid_run_fails_the_run_instead_of_restarting_it() -> None:
 def test_permanent_failure_is_reported_with_the_exit() -> None:
     term = {"state": {"terminated": {"exitCode": 3, "message": "tokenizer fingerprint mismatch"}}}
     failed = job_json(
+        failed=1,
         conditions=[
             {
                 "type": "Failed",
@@ -197,11 +198,12 @@ def test_permanent_failure_is_reported_with_the_exit() -> None:
                 "reason": "PodFailurePolicy",
                 "message": "Container extractor ... exit code 3",
             }
-        ]
+        ],
     )
     st = run(job=failed, pods=[pod_json(phase="Failed", extractor=term)]).status
     assert (st.phase, st.reason) == ("Failed", "PermanentFailure")
     assert "exited 3 (permanent failure)" in st.message and "fingerprint" in st.message
+    assert st.attempt == 1  # the failed pod was the only attempt
     assert cond(st, "Failed") == "True" and cond(st, "Stalled") == "True"
 
 
