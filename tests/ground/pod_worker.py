@@ -9,6 +9,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -46,6 +47,22 @@ log = logging.getLogger("hsx.node_agent")
 # The kubelet's defaults for a container's termination message.
 DEFAULT_TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 TERMINATION_MESSAGE_MAX_BYTES = 4096
+
+
+def image_roots() -> list[Path]:
+    """Host directories that stand for the images' contents: the checkout and the interpreter's prefixes."""
+    candidates = {
+        Path(__file__).resolve().parents[2],
+        Path(sys.prefix).resolve(),
+        Path(sys.base_prefix).resolve(),
+    }
+    # The outermost of nested ones suffices.
+    return sorted(c for c in candidates if not any(o != c and o in c.parents for o in candidates))
+
+
+def covers(mount_path: str, path: Path) -> bool:
+    """Whether a volume mounted at ``mount_path`` hides ``path``."""
+    return Path(mount_path) == path or Path(mount_path) in path.parents
 
 
 def run_quiet(argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -457,6 +474,15 @@ class PodWorker(threading.Thread):
         mounts = list(c.spec.get("volumeMounts", []))
         lines = ["set -e", f"hostname {shlex.quote(self.pod_name[:63])}"]
         placed: list[str] = []
+        # Every container's "image" is this checkout and its interpreter. A volume over one of their
+        # ancestors (the chart's emptyDir at /tmp, with the clone under /tmp) must not hide the program:
+        # bind them aside first (a bind's source must be visible in the namespace), then back over it.
+        stashed: dict[Path, Path] = {}
+        for i, root in enumerate(image_roots()):
+            if any(covers(m["mountPath"], root) for m in mounts):
+                stashed[root] = self.pod_dir / "image" / str(i)
+                stashed[root].mkdir(parents=True, exist_ok=True)
+                lines.append(f"mount --bind {shlex.quote(str(root))} {shlex.quote(str(stashed[root]))}")
         for mount in sorted(mounts, key=lambda m: m["mountPath"].rstrip("/").count("/")):
             name = mount["name"]
             if name not in self.volume_dirs:
@@ -477,6 +503,10 @@ class PodWorker(threading.Thread):
             if mount.get("readOnly"):
                 lines.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
             placed.append(target)
+            for root, stash in stashed.items():
+                if covers(target, root):
+                    lines.append(f"mkdir -p {shlex.quote(str(root))}")
+                    lines.append(f"mount --bind {shlex.quote(str(stash))} {shlex.quote(str(root))}")
         if c.termination_file is not None:
             target = c.spec.get("terminationMessagePath") or DEFAULT_TERMINATION_MESSAGE_PATH
             self.agent.host_dirs.ensure(Path(target), True)

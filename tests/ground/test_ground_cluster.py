@@ -577,3 +577,28 @@ def test_termination_message_from_file_and_from_logs(kube_cluster, node, namespa
     assert not got["silent"].get("message")
     # The file was the container's own: nothing was left on the host by the pod that wrote it.
     assert not Path("/dev/termination-log").exists() or Path("/dev/termination-log").read_text() == ""
+
+
+def test_volumes_over_the_checkout_do_not_hide_the_program(kube_cluster, node, namespace):
+    """The checkout and its interpreter stand for the image: an emptyDir over an ancestor of them (the
+    chart's /tmp, with a clone under /tmp) hides the node's files there, not the program."""
+    checkout = Path(__file__).resolve().parents[2]
+    code = f"""
+        import os, pathlib
+        assert os.listdir({str(checkout.parent)!r}) == [{checkout.name!r}], os.listdir({str(checkout.parent)!r})
+        assert pathlib.Path({str(checkout / "pyproject.toml")!r}).is_file()
+        import hsx_extractor
+        print("ok")
+    """
+    mounts = [{"name": "cover", "mountPath": str(checkout.parent)}]
+    volumes = [{"name": "cover", "emptyDir": {}}]
+    if checkout.parent != Path("/tmp"):
+        mounts.append({"name": "tmp", "mountPath": "/tmp"})
+        volumes.append({"name": "tmp", "emptyDir": {}})
+    container = {"name": "c", "image": IMAGE, "command": python(code), "volumeMounts": mounts}
+    apply(kube_cluster, pod_manifest("covered", namespace, [container], volumes=volumes))
+    wait_for(
+        lambda: pod_phase(kube_cluster, namespace, "covered") in ("Succeeded", "Failed"), 90, "the pod to end"
+    )
+    assert pod_phase(kube_cluster, namespace, "covered") == "Succeeded", node.logs(namespace, "covered", "c")
+    assert node.logs(namespace, "covered", "c").strip() == "ok"
