@@ -63,6 +63,7 @@ def summary(results: dict[str, Any]) -> list[str]:
                 f"{r['burst_p50_s']:.2f}/{r['burst_p95_s']:.2f}s")
             row("", f"{r['total']} reconciled, errors, duplicate Jobs",
                 f"{r['reconciled_with_status']}, {r['operator_errors']}, {r['duplicate_jobs']}", "200, 0, 0")
+            row("", "API requests kopf retried (recovered)", f"{r.get('api_request_retries', 0)}")
             row("", "operator peak RSS", f"{r['operator_peak_rss_bytes'] / 2**20:.0f} MiB")
         elif name == "memory":
             row("memory", f"peak RSS, {r['concurrency']} in flight x {r['tokens_per_sample']} tok, H={r['hidden']}",
