@@ -89,14 +89,6 @@ def remove(dump_dir: str | os.PathLike[str], rid: str) -> None:
 STALE_PARTIAL_SECONDS = 60.0
 
 
-def partial_rid(name: str) -> str | None:
-    """The rid a partial (``.{rid}{suffix}.{pid}.partial``) is being written for; None otherwise."""
-    if not (name.startswith(".") and name.endswith(protocol.PARTIAL_SUFFIX)):
-        return None
-    final, _, pid = name[1 : -len(protocol.PARTIAL_SUFFIX)].rpartition(".")
-    return protocol.rid_of(final) if pid.isdigit() else None
-
-
 def _is_stale_partial(name: str, mtime: float, now: float, stale_after: float) -> bool:
     return name.endswith(protocol.PARTIAL_SUFFIX) and now - mtime > stale_after
 
@@ -120,7 +112,7 @@ def waiting_bytes(
                     continue
                 if _is_stale_partial(entry.name, st.st_mtime, now, stale_after):
                     continue
-                rid = protocol.rid_of(entry.name) or partial_rid(entry.name)
+                rid = protocol.rid_of(entry.name) or protocol.rid_of_partial(entry.name)
                 if rid is not None and rid in exclude_rids:
                     continue
                 total += st.st_size

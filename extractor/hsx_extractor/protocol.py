@@ -184,6 +184,15 @@ def _encode_header(entries: dict[str, Any]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
+def rid_of_partial(name: str) -> str | None:
+    """The rid a partial file (``.{final name}.{pid}.partial``, see _atomic_write) is being written
+    for; None for any other name."""
+    if not (name.startswith(".") and name.endswith(PARTIAL_SUFFIX)):
+        return None
+    final, _, pid = name[1 : -len(PARTIAL_SUFFIX)].rpartition(".")
+    return rid_of(final) if pid.isdigit() else None
+
+
 def _atomic_write(final: Path, chunks: Iterable[bytes | memoryview]) -> None:
     tmp = final.with_name(f".{final.name}.{os.getpid()}{PARTIAL_SUFFIX}")
     try:

@@ -198,8 +198,8 @@ def test_waiting_bytes_leaves_out_reserved_rids_and_dead_writers_partials(tmp_pa
     dead.write_bytes(b"x" * 1000)
     old = time.time() - collect.STALE_PARTIAL_SECONDS - 5
     os.utime(dead, (old, old))
-    assert collect.partial_rid(live.name) == "hsx-run-r0-aaa-2-a0"
-    assert collect.partial_rid("hsx-run-r0-aaa-1-a0.safetensors") is None
+    assert protocol.rid_of_partial(live.name) == "hsx-run-r0-aaa-2-a0"
+    assert protocol.rid_of_partial("hsx-run-r0-aaa-1-a0.safetensors") is None
     assert collect.waiting_bytes(tmp_path) == mine.stat().st_size + 100
     assert collect.waiting_bytes(tmp_path, exclude_rids={"hsx-run-r0-aaa-1-a0"}) == 100
     assert collect.waiting_bytes(tmp_path, exclude_rids={"hsx-run-r0-aaa-2-a0"}) == mine.stat().st_size
