@@ -43,7 +43,7 @@ class ObjectSource(Protocol):
     @property
     def size(self) -> int: ...
 
-    def read_at(self, offset: int, length: int) -> bytes: ...
+    def read_at(self, offset: int, length: int) -> bytes | bytearray: ...
 
 
 class Backend(Protocol):
@@ -100,7 +100,7 @@ class LocalBackend:
         except FileNotFoundError:
             return None
 
-    def _create(self, key: str, chunks: Iterable[bytes]) -> bool:
+    def _create(self, key: str, chunks: Iterable[bytes | bytearray]) -> bool:
         final = self._path(key)
         final.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)

@@ -23,6 +23,7 @@ Only numpy is needed here: tensors are raw little-endian buffers (bf16 travels a
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import struct
@@ -248,20 +249,26 @@ _DTYPES: dict[str, np.dtype[Any]] = {"I32": np.dtype("<i4"), "BF16": np.dtype("<
 
 
 def read_dump(path: str | os.PathLike[str]) -> Dump:
-    """Read and structurally check one dump. Raises :class:`ProtocolError` on any damage."""
+    """Read and structurally check one dump. Raises :class:`ProtocolError` on any damage.
+
+    The file is mapped, not copied: the arrays are read-only views of its pages, valid after the
+    file is removed. Dumps are renamed into place complete and never rewritten, so the mapping
+    cannot shrink under a reader.
+    """
     with open(path, "rb") as f:
-        data = f.read()
-    if len(data) < 8:
-        raise ProtocolError(f"{path}: truncated header")
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise ProtocolError(f"{path}: truncated header")
+        data = memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ))
     (hlen,) = struct.unpack("<Q", data[:8])
     if hlen > len(data) - 8:
         raise ProtocolError(f"{path}: header length {hlen} exceeds file size")
     try:
-        header = json.loads(data[8 : 8 + hlen])
+        header = json.loads(bytes(data[8 : 8 + hlen]))
     except ValueError as exc:
         raise ProtocolError(f"{path}: header is not JSON: {exc}") from exc
     meta = DumpMeta.from_header(header.get("__metadata__", {}))
-    body = memoryview(data)[8 + hlen :]
+    body = data[8 + hlen :]
     arrays: dict[str, np.ndarray] = {}
     for name in (TENSOR_INPUT_IDS, TENSOR_AUX, TENSOR_FINAL):
         entry = header.get(name)

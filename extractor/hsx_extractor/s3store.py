@@ -202,7 +202,7 @@ class MultipartUploader:
         self._config = config
         self._retrier = retrier
 
-    def put_if_absent(self, key: str, body: bytes, metadata: dict[str, str] | None = None) -> bool:
+    def put_if_absent(self, key: str, body: bytes | bytearray, metadata: dict[str, str] | None = None) -> bool:
         """Single PUT with ``If-None-Match: *``. True if created, False if the key exists."""
         extra = {"Metadata": metadata} if metadata else {}
 

@@ -88,21 +88,22 @@ class SpooledObject:
     def size(self) -> int:
         return len(self.header) + sum(n for _, n in self.regions)
 
-    def read_at(self, offset: int, length: int) -> bytes:
-        out = bytearray()
-        pos = 0
+    def read_at(self, offset: int, length: int) -> bytearray:
+        # One buffer filled in place: the part is copied once, from the spool's pages.
+        out = bytearray(length)
+        view = memoryview(out)
         end = offset + length
         for seg_start, seg_len, spool_off in self._segments():
             lo, hi = max(offset, seg_start), min(end, seg_start + seg_len)
             if lo < hi:
+                dest = view[lo - offset : hi - offset]
                 if spool_off is None:
-                    out += self.header[lo - seg_start : hi - seg_start]
+                    dest[:] = self.header[lo - seg_start : hi - seg_start]
                 else:
-                    out += _pread_exact(self.fd, hi - lo, spool_off + lo - seg_start)
-            pos = seg_start + seg_len
-            if pos >= end:
+                    _pread_into(self.fd, dest, spool_off + lo - seg_start)
+            if seg_start + seg_len >= end:
                 break
-        return bytes(out)
+        return out
 
     def _segments(self) -> Iterator[tuple[int, int, int | None]]:
         yield 0, len(self.header), None
@@ -127,11 +128,12 @@ def _pwrite_all(fd: int, parts: Sequence[bytes | memoryview], offset: int) -> No
             views[0] = views[0][written:]
 
 
-def _pread_exact(fd: int, n: int, offset: int) -> bytes:
-    data = os.pread(fd, n, offset)
-    if len(data) != n:
-        raise OSError(f"spool file short read: {len(data)} of {n} bytes at {offset}")
-    return data
+def _pread_into(fd: int, dest: memoryview, offset: int) -> None:
+    while dest.nbytes:
+        n = os.preadv(fd, [dest], offset)
+        if n <= 0:
+            raise OSError(f"spool file short read: {dest.nbytes} bytes missing at {offset}")
+        dest, offset = dest[n:], offset + n
 
 
 class ShardBuilder:

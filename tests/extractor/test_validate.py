@@ -92,6 +92,15 @@ def test_largest_finite_bf16_is_finite() -> None:
     assert count_non_finite(np.array([0x7F80, 0x7FFF, 0x1], np.uint16)) == 2
 
 
+def test_non_finite_count_is_the_same_across_chunk_edges() -> None:
+    bits = np.random.default_rng(5).integers(0, 1 << 16, (37, 23), dtype=np.uint16)
+    expected = int(np.count_nonzero((bits & 0x7F80) == 0x7F80))
+    assert expected > 0
+    for chunk in (1, 7, 64, 851, 10_000):
+        assert count_non_finite(bits, chunk=chunk) == expected
+    assert count_non_finite(np.empty((0, 4), np.uint16)) == 0
+
+
 def test_error_marker_is_server_error(tmp_path: Path) -> None:
     protocol.write_error(tmp_path, "r1", "row_count", "expected 3 rows, got 2")
     arrival = collect.look(tmp_path, "r1")
