@@ -213,6 +213,13 @@ class Extraction:
             store = await asyncio.to_thread(open_store, cfg.output, cfg.runId)
         except ValueError as exc:
             raise permanent(f"output {cfg.output.uri}: {exc}") from exc
+        try:
+            return await self._run_with(store, tok)
+        finally:
+            store.close()
+
+    async def _run_with(self, store: Store, tok: ChatTokenizer) -> RunResult:
+        cfg = self.cfg
         Path(cfg.dumpDir).mkdir(parents=True, exist_ok=True)
         stale = collect.remove_with_prefix(cfg.dumpDir, f"hsx-{self.rid_prefix}-")
         if stale:

@@ -92,8 +92,13 @@ class S3TransferConfig:
 
 def make_client(output: OutputSpec, config: S3TransferConfig) -> Any:
     """A boto3 S3 client: credentials from the AWS chain, optional endpoint and path style."""
-    # Without pathStyle the AWS config chain decides (s3.addressing_style in ~/.aws/config).
-    s3_options: Any = {"addressing_style": "path"} if output.pathStyle else None
+    # Every request carries a CRC32 of its body in a signed header, so the body is not hashed
+    # again for the signature: SHA-256 of every byte costs the client and the server a core each
+    # at ~500 MB/s (bench/b1_dataplane.py). Without pathStyle the AWS config chain decides the
+    # addressing style (s3.addressing_style in ~/.aws/config); these options are merged into it.
+    s3_options: Any = {"payload_signing_enabled": False}
+    if output.pathStyle:
+        s3_options["addressing_style"] = "path"
     client_config = botocore.config.Config(
         region_name=output.region,
         s3=s3_options,

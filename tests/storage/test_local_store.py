@@ -200,3 +200,23 @@ def test_open_uri_lines_reads_local_files(tmp_path: Path) -> None:
     path.write_bytes(b'{"id": 1}\n{"id": 2}\n')
     assert list(open_uri_lines(str(path))) == [b'{"id": 1}\n', b'{"id": 2}\n']
     assert list(open_uri_lines(f"file://{path}")) == [b'{"id": 1}\n', b'{"id": 2}\n']
+
+
+def test_a_reused_spool_file_holds_only_the_new_shard(tmp_path: Path) -> None:
+    store = _store(tmp_path, "none")
+    store.put_json_if_absent("plan.json", {"shards": [{"index": 0, "start": 0, "stop": 2},
+                                                      {"index": 1, "start": 2, "stop": 3}]})
+    first = store.open_shard(0, range(0, 2))
+    spool = first._fd
+    first.add(record(0, 60))
+    first.add(record(1, 60))
+    first.seal()
+    second = store.open_shard(1, range(2, 3))
+    assert second._fd == spool  # the same file, longer than this shard needs
+    second.add(record(2, 3))
+    commit = second.seal()
+    assert commit.bytes_stored < 3 * 64 * 4 * 2 + 4096  # none of shard 0's bytes ride along
+    store.finalize({})
+    report = run_verify(str(tmp_path / "run-1"))
+    assert report.ok and report.samples_checked == 3, report.summary_text()
+    store.close()
