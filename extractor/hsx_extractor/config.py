@@ -94,7 +94,11 @@ class OutputSpec(_Spec):
         "(sign and exponent) with zstd and stores the low byte raw; none stores raw bf16.",
     )
     partSizeBytes: int = Field(
-        64 << 20, ge=5 << 20, le=5 << 30, description="Multipart upload part size in bytes."
+        64 << 20,
+        ge=5 << 20,
+        le=5 << 30,
+        description="Largest multipart upload part in bytes. A smaller object is cut into "
+        "uploadConcurrency parts (of at least 5 MiB), so one shard alone keeps every connection busy.",
     )
     uploadConcurrency: int = Field(16, ge=1, le=256, description="Parts uploaded in parallel per pod.")
 

@@ -137,7 +137,7 @@ class Extraction:
         self.rid_prefix = f"{cfg.runId}-r{self.cfg.replicaIndex}"
         self.run_key = f"{self.rid_prefix}-{os.urandom(3).hex()}"
         self.store_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsx-store")
-        self.seal_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hsx-seal")
+        self.seal_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hsx-seal")
 
     # ---- start: tokenizer, server, store, plan ----------------------------------------------
     def open_tokenizer(self) -> ChatTokenizer:

@@ -12,7 +12,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final, TypeVar
@@ -198,16 +198,32 @@ class _RestartUpload(Exception):
     """The multipart upload must start over (409 or the upload vanished)."""
 
 
+MIN_PART_BYTES = 5 << 20  # S3's smallest part but the last
+
+
+def part_size_for(size: int, config: S3TransferConfig) -> int:
+    """At most ``config.part_size``, and small enough that one object alone keeps every
+    connection busy: the last shard of a run is uploaded with nothing else to overlap it."""
+    even_split = -(-size // config.concurrency)
+    return max(MIN_PART_BYTES, min(config.part_size, even_split))
+
+
 class MultipartUploader:
-    """Uploads one object if absent: concurrent checksummed parts, conditional completion."""
+    """Uploads objects if absent: concurrent checksummed parts, conditional completion.
+
+    Parts of every upload share one pool of ``config.concurrency`` connections, so shards
+    sealed at the same time split the bandwidth instead of multiplying the connections."""
 
     def __init__(self, client: Any, bucket: str, config: S3TransferConfig, retrier: Retrier):
         self._client = client
         self._bucket = bucket
         self._config = config
         self._retrier = retrier
+        self._parts = ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="hsx-part")
 
-    def put_if_absent(self, key: str, body: bytes | bytearray, metadata: dict[str, str] | None = None) -> bool:
+    def put_if_absent(
+        self, key: str, body: bytes | bytearray, metadata: dict[str, str] | None = None
+    ) -> bool:
         """Single PUT with ``If-None-Match: *``. True if created, False if the key exists."""
         extra = {"Metadata": metadata} if metadata else {}
 
@@ -233,7 +249,7 @@ class MultipartUploader:
         return self._retrier.call("PutObject", key, put)
 
     def upload_if_absent(self, key: str, source: ObjectSource, metadata: dict[str, str]) -> bool:
-        if source.size <= self._config.part_size:
+        if source.size <= part_size_for(source.size, self._config):
             return self.put_if_absent(key, source.read_at(0, source.size), metadata)
         for _ in range(self._config.max_upload_restarts + 1):
             try:
@@ -267,7 +283,8 @@ class MultipartUploader:
         return outcome
 
     def _upload_parts(self, key: str, upload_id: str, source: ObjectSource) -> list[dict[str, Any]]:
-        size, step = source.size, self._config.part_size
+        size = source.size
+        step = part_size_for(size, self._config)
         offsets = list(range(0, size, step))
 
         def upload(number: int, offset: int) -> dict[str, Any]:
@@ -288,14 +305,14 @@ class MultipartUploader:
                 raise _RestartUpload() from exc
             return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32": resp["ChecksumCRC32"]}
 
-        with ThreadPoolExecutor(max_workers=min(self._config.concurrency, len(offsets))) as pool:
-            futures = [pool.submit(upload, n + 1, off) for n, off in enumerate(offsets)]
-            try:
-                return [f.result() for f in futures]
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+        futures = [self._parts.submit(upload, n + 1, off) for n, off in enumerate(offsets)]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            wait(futures)  # no part of this upload may still be running when it is aborted
+            raise
 
     def _complete(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> bool | None:
         """True: created. False: the key already existed (412). None: the upload is gone."""

@@ -204,8 +204,9 @@ def test_open_uri_lines_reads_local_files(tmp_path: Path) -> None:
 
 def test_a_reused_spool_file_holds_only_the_new_shard(tmp_path: Path) -> None:
     store = _store(tmp_path, "none")
-    store.put_json_if_absent("plan.json", {"shards": [{"index": 0, "start": 0, "stop": 2},
-                                                      {"index": 1, "start": 2, "stop": 3}]})
+    store.put_json_if_absent(
+        "plan.json", {"shards": [{"index": 0, "start": 0, "stop": 2}, {"index": 1, "start": 2, "stop": 3}]}
+    )
     first = store.open_shard(0, range(0, 2))
     spool = first._fd
     first.add(record(0, 60))
