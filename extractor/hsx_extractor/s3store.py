@@ -93,9 +93,10 @@ class S3TransferConfig:
 def make_client(output: OutputSpec, config: S3TransferConfig) -> Any:
     """A boto3 S3 client: credentials from the AWS chain, optional endpoint and path style."""
     # Every request carries a CRC32 of its body in a signed header, so the body is not hashed
-    # again for the signature: SHA-256 of every byte costs the client and the server a core each
-    # at ~500 MB/s (bench/b1_dataplane.py). Without pathStyle the AWS config chain decides the
-    # addressing style (s3.addressing_style in ~/.aws/config); these options are merged into it.
+    # again for the signature: on plain-HTTP endpoints botocore would SHA-256 every byte, a second
+    # full pass over each part (~1.4 GB/s per core on the benchmark machine). Without pathStyle
+    # the AWS config chain decides the addressing style (s3.addressing_style in ~/.aws/config);
+    # these options are merged into it.
     s3_options: Any = {"payload_signing_enabled": False}
     if output.pathStyle:
         s3_options["addressing_style"] = "path"
