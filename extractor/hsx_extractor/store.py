@@ -149,6 +149,7 @@ class SpoolFiles:
         self._directory = directory
         self._keep = keep
         self._idle: list[int] = []
+        self._closed = False
         self._lock = threading.Lock()
 
     def take(self) -> int:
@@ -161,14 +162,15 @@ class SpoolFiles:
 
     def give_back(self, fd: int) -> None:
         with self._lock:
-            if len(self._idle) < self._keep:
+            # A builder aborted after the run closed the store must not park its file here.
+            if not self._closed and len(self._idle) < self._keep:
                 self._idle.append(fd)
                 return
         os.close(fd)
 
     def close(self) -> None:
         with self._lock:
-            idle, self._idle = self._idle, []
+            idle, self._idle, self._closed = self._idle, [], True
         for fd in idle:
             os.close(fd)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -220,4 +221,9 @@ def test_a_reused_spool_file_holds_only_the_new_shard(tmp_path: Path) -> None:
     store.finalize({})
     report = run_verify(str(tmp_path / "run-1"))
     assert report.ok and report.samples_checked == 3, report.summary_text()
+    late = store.open_shard(1, range(2, 3))
+    late_fd = late._fd
     store.close()
+    late.abort()  # after the store closed: its file is closed, not kept
+    with pytest.raises(OSError):
+        os.fstat(late_fd)
