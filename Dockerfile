@@ -49,5 +49,5 @@ FROM ${SGLANG_IMAGE} AS sglang
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir --no-deps /wheels/hsx-0.1.0-py3-none-any.whl \
     && python3 -m hsx_extractor.sglang_hook install-pth \
-    && python3 -c "from hsx_extractor.sglang_hook import SGLANG_VERSION as pin; from hsx_extractor.sglang_hook.bootstrap import installed_sglang_version as v; assert v() == pin, f'base image has sglang {v()}, hsx pins {pin}'" \
+    && python3 -c "from hsx_extractor.sglang_hook.launch import SGLANG_VERSION as pin; from hsx_extractor.sglang_hook.bootstrap import installed_sglang_version as v; assert v() == pin, f'base image has sglang {v()}, hsx pins {pin}'" \
     && SGLANG_HS_DUMP_DIR=/tmp/hsx-check python3 -c "import sys; assert any(type(f).__name__ == 'HookFinder' for f in sys.meta_path), 'hook not active'"

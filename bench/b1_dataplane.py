@@ -65,8 +65,9 @@ def extract_config(run_id: str, dataset: Path, tok: Path, synth_url: str, dump_d
 
 
 def run_extract(cfg: dict[str, Any]) -> Any:
-    from hsx_extractor.config import EXIT_OK, ExtractConfig
-    from hsx_extractor.runner import extract
+    from hsx_extractor.config import ExtractConfig
+    from hsx_extractor.contract import EXIT_OK
+    from hsx_extractor.run.runner import extract
 
     code, result = asyncio.run(extract(ExtractConfig.model_validate(cfg)))
     if code != EXIT_OK or result is None or result.manifest is None:
@@ -133,7 +134,7 @@ def median_run(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 def run_b1(hidden: int = 4096, mib: int = 512, shard_mib: int = 128, profile: bool = True,
            lo: int = 768, hi: int = 1536, rounds: int = 3) -> dict[str, Any]:
     from hsx_extractor.config import OutputSpec
-    from hsx_extractor.s3store import S3TransferConfig, make_client
+    from hsx_extractor.storage.s3_client import S3Endpoint, S3TransferConfig, make_client
     from tests.ground.s3 import start_s3_server
 
     work = scratch("b1")
@@ -157,7 +158,7 @@ def run_b1(hidden: int = 4096, mib: int = 512, shard_mib: int = 128, profile: bo
             client = s3.client()
             # The ceiling uses the extractor's own client settings: the ratio is the pipeline's cost.
             output = OutputSpec.model_validate({"uri": f"s3://{bucket}", "endpoint": s3.endpoint, "pathStyle": True})
-            ceiling_client = make_client(output, S3TransferConfig.from_output(output))
+            ceiling_client = make_client(S3Endpoint.of(output), S3TransferConfig.from_output(output))
             samples: dict[str, list[dict[str, Any]]] = {}
 
             def record(name: str, wall: float, cpu: float, **extra: Any) -> None:

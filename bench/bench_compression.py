@@ -22,7 +22,7 @@ import numpy as np
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "extractor"))
-from hsx_extractor.compress import (
+from hsx_extractor.storage.compress import (
     CODEC_BF16_SPLIT_ZSTD,
     ZSTD_PARAMS,
     decode_bf16,

@@ -100,7 +100,7 @@ def synth_server(dump_dir: Path, hidden: int, pool_rows: int, *extra: str) -> It
 
 def tokenizer_dir(root: Path) -> Path:
     """The tiny model's locally trained tokenizer (the benchmarks send pre-tokenized rows)."""
-    from hsx_extractor.tinymodel import TinyModelSpec, build_tokenizer
+    from hsx_extractor.tools.tinymodel import TinyModelSpec, build_tokenizer
 
     out = root / "tokenizer"
     out.mkdir(parents=True, exist_ok=True)
@@ -185,7 +185,7 @@ class PeakSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        from hsx_extractor.collect import waiting_bytes
+        from hsx_extractor.run.collect import waiting_bytes
 
         while not self._stop.is_set():
             self.peak_rss = max(self.peak_rss, read_hwm(self.pid))

@@ -51,7 +51,7 @@ if [[ $REHEARSE == 0 ]]; then
   if ! nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; then
     fail "no working nvidia-smi: this needs a GPU machine"
   fi
-  "$PYTHON" -c "from hsx_extractor.sglang_hook import SGLANG_VERSION as pin
+  "$PYTHON" -c "from hsx_extractor.sglang_hook.launch import SGLANG_VERSION as pin
 from hsx_extractor.sglang_hook.bootstrap import installed_sglang_version as v
 assert v() == pin, f'sglang {v()} installed, hsx pins {pin}'
 print('sglang', pin, 'ok')" || fail "python3 lacks the pinned SGLang or hsx"
@@ -79,7 +79,7 @@ EOF
 step "server"
 mapfile -t ARGV < <("$PYTHON" - "$MODEL" "$TP" "$PORT" "$LAYER_IDS" "${SERVER_EXTRA[@]}" <<'EOF'
 import sys
-from hsx_extractor.sglang_hook import server_args
+from hsx_extractor.sglang_hook.launch import server_args
 model, tp, port, ids, *extra = sys.argv[1:]
 print("\n".join(server_args(model, int(tp), int(port), [int(i) for i in ids.split()] or None, extra)))
 EOF
@@ -118,7 +118,7 @@ step "states against a Hugging Face forward of the same ids (fp32, CPU)"
 import sys
 import numpy as np
 from hsx_extractor.reader import OutputReader
-from hsx_extractor.reference_server import ReferenceModel
+from hsx_extractor.tools.reference_server import ReferenceModel
 
 model_dir, run, ids = sys.argv[1], sys.argv[2], [int(i) for i in sys.argv[3].split()] or None
 ref = ReferenceModel(model_dir, ids)

@@ -5,6 +5,6 @@ import importlib.util
 # The ground's fixtures live in tests/ground/; each module is a pytest plugin.
 pytest_plugins = [
     m
-    for m in ("tests.ground.s3", "tests.ground.kube", "tests.ground.tools")
+    for m in ("tests.ground.s3", "tests.ground.kube", "tests.ground.tools", "tests.ground.refserver")
     if importlib.util.find_spec(m) is not None
 ]

@@ -57,6 +57,18 @@ class DatasetSpec(_Spec):
         pattern=r"^[0-9a-f]{16,64}$",
     )
     limit: int | None = Field(None, ge=1, description="Use only the first N rows (for trial runs).")
+    endpoint: str | None = Field(
+        None, description="S3 endpoint URL of the dataset's store. Defaults to output.endpoint."
+    )
+    region: str | None = Field(None, description="S3 region of the dataset's store. Defaults to output.region.")
+    pathStyle: bool | None = Field(
+        None, description="Path-style addressing for the dataset's store. Defaults to output.pathStyle."
+    )
+    credentialsSecret: str | None = Field(
+        None,
+        description="Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (optionally AWS_SESSION_TOKEN) "
+        "for reading the dataset. Defaults to output.credentialsSecret.",
+    )
 
 
 class OutputSpec(_Spec):
@@ -178,42 +190,23 @@ class ExtractConfig(_Spec):
     @field_validator("runId")
     @classmethod
     def _run_id_not_reserved(cls, v: str) -> str:
-        if v in {"_hsx", "manifest"}:
+        if v == "manifest":
             raise ValueError(f"runId {v!r} is reserved")
         return v
 
 
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ExtractConfig:
-    """Read an ExtractConfig from YAML or JSON, then apply dotted-key overrides (``output.uri``)."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    for dotted, value in (overrides or {}).items():
+def with_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with dotted-key overrides set (``{"output.uri": "s3://b/p"}``), in place."""
+    for dotted, value in overrides.items():
         node = data
         *parents, leaf = dotted.split(".")
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = value
-    return ExtractConfig.model_validate(data)
+    return data
 
 
-# Exit codes of `hsx extract`, shared with the operator's podFailurePolicy.
-EXIT_OK = 0
-# Worth retrying: server died, S3 flaked past retries, pod evicted.
-EXIT_TRANSIENT = 1
-# Retrying cannot help: invalid config, tokenizer mismatch, mismatch gate tripped, S3 access denied.
-EXIT_PERMANENT = 3
-
-# Field names of the extractor's GET /progress JSON; the operator copies them into status.progress.
-PROGRESS_FIELDS = (
-    "samplesTotal",
-    "samplesDone",
-    "samplesQuarantined",
-    "tokensDone",
-    "samplesPerSecond",
-    "tokensPerSecond",
-    "etaSeconds",
-    "bytesCommitted",
-    "shardsCommitted",
-    "shardsTotal",
-    "requestsInFlight",
-    "lastError",
-)
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ExtractConfig:
+    """Read an ExtractConfig from YAML or JSON, then apply dotted-key overrides (``output.uri``)."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    return ExtractConfig.model_validate(with_overrides(data, overrides or {}))

@@ -17,7 +17,7 @@ For that rid the server writes exactly one file into the dump directory:
 Either file is first written under a hidden temporary name (``.{rid}.{pid}.partial``) and
 renamed into place when complete, so a visible name always means a complete file.
 
-Only numpy is needed here: tensors are raw little-endian buffers (bf16 travels as its 16 bits).
+Only numpy is needed here (to read dumps): tensors are raw little-endian buffers (bf16 travels as its 16 bits).
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported where dumps are read: the operator imports this module's names
+    import numpy as np
 
 PROTOCOL_VERSION = "hsx-dump/1"
 # Environment variable naming the dump directory, read by the SGLang hook and the reference server.
@@ -245,7 +246,7 @@ def read_error(path: str | os.PathLike[str]) -> dict[str, str]:
     return {str(k): str(v) for k, v in body.items()}
 
 
-_DTYPES: dict[str, np.dtype[Any]] = {"I32": np.dtype("<i4"), "BF16": np.dtype("<u2")}
+_DTYPES = {"I32": "<i4", "BF16": "<u2"}
 
 
 def read_dump(path: str | os.PathLike[str]) -> Dump:
@@ -255,6 +256,8 @@ def read_dump(path: str | os.PathLike[str]) -> Dump:
     file is removed. Dumps are renamed into place complete and never rewritten, so the mapping
     cannot shrink under a reader.
     """
+    import numpy as np
+
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < 8:
@@ -278,7 +281,7 @@ def read_dump(path: str | os.PathLike[str]) -> Dump:
         if not entry or entry.get("dtype") not in _DTYPES:
             raise ProtocolError(f"{path}: missing or mistyped tensor {name!r}")
         start, end = entry["data_offsets"]
-        dtype = _DTYPES[entry["dtype"]]
+        dtype = np.dtype(_DTYPES[entry["dtype"]])
         shape = tuple(int(s) for s in entry["shape"])
         if end > len(body) or end - start != int(np.prod(shape)) * dtype.itemsize:
             raise ProtocolError(f"{path}: tensor {name!r} is truncated")

@@ -21,9 +21,10 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from hsx_extractor.config import OutputSpec
-from hsx_extractor.keys import MANIFEST_NAME, split_run_uri
-from hsx_extractor.shards import SampleRecord, ShardFormatError, ShardHeader
-from hsx_extractor.store import PermanentStoreError, Store, open_store
+from hsx_extractor.storage.backends import PermanentStoreError
+from hsx_extractor.storage.layout import MANIFEST_NAME, split_run_uri
+from hsx_extractor.storage.shard_format import SampleRecord, ShardFormatError, ShardHeader
+from hsx_extractor.storage.store import Store, open_store
 
 if TYPE_CHECKING:
     import torch

@@ -30,8 +30,3 @@ class Reason(StrEnum):
     NO_DUMP = "no_dump"
     SERVER_ERROR = "server_error"
 
-
-# Reasons that mean the server (not the dataset) is misbehaving; these feed the mismatch gate.
-SERVER_REASONS = frozenset(
-    {Reason.ID_MISMATCH, Reason.LENGTH_MISMATCH, Reason.NON_FINITE, Reason.NO_DUMP, Reason.SERVER_ERROR}
-)

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from hsx_extractor.config import RUN_ID_PATTERN, DatasetSpec, OutputSpec, ValidationSpec
+from hsx_extractor.config import RUN_ID_PATTERN, DatasetSpec, ExtractConfig, OutputSpec, ValidationSpec
 from hsx_extractor.sglang_hook.launch import OWNED_FLAGS
 
 GROUP = "hsx.dev"
@@ -30,6 +30,9 @@ QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(([KMGTPE]i)|[numkMGTPE]|[
 LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 ABS_PATH_PATTERN = r"^/.*$"
+
+# Fields the operator passes through to each pod's extractor config take that config's defaults.
+_EXTRACT_DEFAULTS = ExtractConfig.model_fields
 
 # Bounds keep CEL's estimated cost within the API server's budget (it prices by maximum size).
 _STR = 4096
@@ -265,10 +268,13 @@ class ExtractorSpec(_Spec):
         json_schema_extra={"default": {}},
     )
     progressPort: int = Field(
-        default=8080, ge=1024, le=65535, description="Port of the extractor's /progress and /metrics."
+        default=_EXTRACT_DEFAULTS["progressPort"].default,
+        ge=1024,
+        le=65535,
+        description="Port of the extractor's /progress and /metrics.",
     )
     dumpDirMaxBytes: int = Field(
-        default=8 << 30,
+        default=_EXTRACT_DEFAULTS["dumpDirMaxBytes"].default,
         ge=1 << 20,
         description="Back-pressure: fewer requests are sent while waiting dumps exceed this many bytes.",
     )
@@ -399,7 +405,10 @@ class ExtractionJobSpec(_Spec):
         json_schema_extra={"default": {}},
     )
     concurrency: int = Field(
-        default=32, ge=1, le=1024, description="Requests in flight at each pod's server."
+        default=_EXTRACT_DEFAULTS["concurrency"].default,
+        ge=1,
+        le=1024,
+        description="Requests in flight at each pod's server.",
     )
     parallelism: int = Field(
         default=1,
@@ -442,166 +451,3 @@ class ExtractionJobSpec(_Spec):
 
     def tensor_parallel(self) -> int:
         return self.server.tensorParallel or self.server.gpus
-
-
-# ---------------------------------------------------------------------------------------- status
-
-Phase = Literal["Pending", "Starting", "Running", "Succeeded", "Failed", "Suspended"]
-PHASES: tuple[str, ...] = ("Pending", "Starting", "Running", "Succeeded", "Failed", "Suspended")
-TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
-CONDITION_TYPES = ("ServerReady", "Reconciling", "Stalled", "Succeeded", "Failed", "Suspended")
-
-
-class _Status(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-
-
-class Condition(_Status):
-    """A metav1.Condition."""
-
-    type: str = Field(
-        description="Condition type in CamelCase: ServerReady, Reconciling, Stalled, Succeeded, Failed or Suspended.",
-        max_length=316,
-    )
-    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
-    observedGeneration: int = Field(
-        default=0, ge=0, description="metadata.generation the condition was computed from."
-    )
-    lastTransitionTime: str = Field(
-        description="When status last changed (RFC 3339).", json_schema_extra={"format": "date-time"}
-    )
-    reason: str = Field(
-        description="CamelCase reason for the last transition.",
-        min_length=1,
-        max_length=1024,
-        pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
-    )
-    message: str = Field(default="", description="Human-readable details.", max_length=32768)
-
-
-class Progress(_Status):
-    """Work done by the run, summed over its pods."""
-
-    samplesTotal: int = Field(default=0, description="Samples in the dataset (after limit).")
-    samplesDone: int = Field(
-        default=0,
-        description="Samples finished: written to a shard or quarantined (samplesQuarantined of them); "
-        "equals samplesTotal when the run is done.",
-    )
-    samplesQuarantined: int = Field(
-        default=0, description="Of samplesDone, the samples set aside with a reason instead of written."
-    )
-    tokensDone: int = Field(default=0, description="Tokens of the samples written.")
-    samplesPerSecond: float = Field(default=0.0, description="Current sample rate.")
-    tokensPerSecond: float = Field(default=0.0, description="Current token rate.")
-    etaSeconds: float | None = Field(
-        default=None, description="Estimated seconds until the run is done (the slowest pod)."
-    )
-    bytesCommitted: int = Field(default=0, description="Bytes of shards committed to the output.")
-    shardsCommitted: int = Field(default=0, description="Shards committed to the output.")
-    shardsTotal: int = Field(default=0, description="Shards the run will write.")
-    percent: int = Field(
-        default=0,
-        ge=0,
-        le=100,
-        description="samplesDone as a percentage of samplesTotal.",
-    )
-    eta: str = Field(default="", description="etaSeconds, human-readable (1h2m).")
-    lastUpdateTime: str | None = Field(
-        default=None,
-        description="When progress was last read from the extractors.",
-        json_schema_extra={"format": "date-time"},
-    )
-
-
-class ReplicaStatus(_Status):
-    """The last progress one pod reported (kept after the pod ends, so the sums stay right)."""
-
-    index: int = Field(description="Replica (completion) index.")
-    pod: str = Field(default="", description="Name of the pod that reported last.")
-    state: str = Field(
-        default="", description="The extractor's own state: starting, running, succeeded or failed."
-    )
-    samplesTotal: int = Field(default=0, description="Samples assigned to this replica.")
-    samplesDone: int = Field(default=0, description="Samples this replica finished (written or quarantined).")
-    samplesQuarantined: int = Field(default=0, description="Of samplesDone, those quarantined.")
-    tokensDone: int = Field(default=0, description="Tokens this replica has done.")
-    samplesPerSecond: float = Field(default=0.0, description="This replica's sample rate.")
-    tokensPerSecond: float = Field(default=0.0, description="This replica's token rate.")
-    etaSeconds: float | None = Field(default=None, description="This replica's ETA in seconds.")
-    bytesCommitted: int = Field(default=0, description="Bytes this replica committed.")
-    shardsCommitted: int = Field(default=0, description="Shards this replica committed.")
-    shardsTotal: int = Field(default=0, description="Shards assigned to this replica.")
-    lastError: str = Field(default="", description="The extractor's last error, if any.", max_length=4096)
-
-
-class OutputStatus(_Status):
-    """Where this run's data is."""
-
-    prefix: str = Field(default="", description="Output prefix of this run: {output.uri}/{runId}/.")
-    manifestUri: str = Field(
-        default="", description="URI of the run's manifest, written last when the run succeeds."
-    )
-
-
-class RunRecord(_Status):
-    """How an earlier run ended; its data stays under its prefix."""
-
-    runId: str = Field(description="The run's runId.")
-    phase: str = Field(description="The phase the run ended in (or Superseded when runId changed mid-run).")
-    reason: str = Field(default="", description="Why it ended.")
-    jobName: str = Field(default="", description="The run's Job.")
-    outputPrefix: str = Field(default="", description="The run's output prefix.")
-    startTime: str | None = Field(
-        default=None, description="When the run started.", json_schema_extra={"format": "date-time"}
-    )
-    completionTime: str | None = Field(
-        default=None, description="When the run ended.", json_schema_extra={"format": "date-time"}
-    )
-    samplesDone: int = Field(default=0, description="Samples the run did.")
-
-
-class ExtractionJobStatus(_Status):
-    """What the operator observed. Written by the operator only, through the status subresource."""
-
-    phase: Phase = Field(
-        default="Pending", description="Pending, Starting, Running, Succeeded, Failed or Suspended."
-    )
-    observedGeneration: int = Field(
-        default=0, description="metadata.generation this status was computed from."
-    )
-    observedRunId: str = Field(default="", description="runId of the run this status describes.")
-    attempt: int = Field(
-        default=0, description="Pod attempts so far: 1 for the first, +1 for each retried pod failure."
-    )
-    startTime: str | None = Field(
-        default=None,
-        description="When this run's Job was created.",
-        json_schema_extra={"format": "date-time"},
-    )
-    completionTime: str | None = Field(
-        default=None, description="When this run ended.", json_schema_extra={"format": "date-time"}
-    )
-    serverReadyTime: str | None = Field(
-        default=None,
-        description="When every server of this run first became ready.",
-        json_schema_extra={"format": "date-time"},
-    )
-    reason: str = Field(
-        default="", description="Why the run is in its phase (CamelCase), for example ImagePullBackOff."
-    )
-    message: str = Field(
-        default="", description="Details of reason, for example the scheduler's message.", max_length=32768
-    )
-    jobName: str = Field(default="", description="Name of this run's batch/v1 Job.")
-    output: OutputStatus = Field(default_factory=OutputStatus, description="Where this run's data is.")
-    progress: Progress = Field(default_factory=Progress, description="Work done, summed over the pods.")
-    replicas: list[ReplicaStatus] = Field(default_factory=list, description="Last progress of each replica.")
-    history: list[RunRecord] = Field(
-        default_factory=list, description="Earlier runs of this resource, newest last (at most 20)."
-    )
-    conditions: list[Condition] = Field(
-        default_factory=list,
-        description="ServerReady, Reconciling, Stalled, Succeeded, Failed and Suspended.",
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-    )

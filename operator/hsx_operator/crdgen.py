@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from hsx_operator import api
+from hsx_operator.status import ExtractionJobStatus
 
 CRD_FILE = f"{api.PLURAL}.{api.GROUP}.yaml"
 PEERING_FILE = "kopf-peering.yaml"
@@ -34,9 +35,13 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     node = dict(node)
     if "$ref" in node:
         target = defs[node.pop("$ref").rsplit("/", 1)[-1]]
-        merged = dict(target)
-        merged.update(node)  # the field's description and default win over the class's
-        node = merged
+        if "enum" in target:
+            # An Enum field reads like a Literal one: the field's own keys first, its docstring dropped.
+            node = {**node, **{k: v for k, v in target.items() if k not in node and k != "description"}}
+        else:
+            merged = dict(target)
+            merged.update(node)  # the field's description and default win over the class's
+            node = merged
     if "anyOf" in node:
         variants = [v for v in node.pop("anyOf") if v.get("type") != "null"]
         if len(variants) != 1:
@@ -145,7 +150,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
 
 def extractionjob_crd() -> dict[str, Any]:
     spec_schema = schema_of(api.ExtractionJobSpec)
-    status_schema = schema_of(api.ExtractionJobStatus)
+    status_schema = schema_of(ExtractionJobStatus)
     root = {
         "type": "object",
         "description": "ExtractionJob captures a model's hidden states over a chat dataset into verifiable "

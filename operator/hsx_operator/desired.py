@@ -15,9 +15,10 @@ from typing import Any
 
 import yaml
 
-from hsx_extractor.config import EXIT_PERMANENT, ExtractConfig
-from hsx_extractor.keys import MANIFEST_NAME
+from hsx_extractor.config import ExtractConfig
+from hsx_extractor.contract import DATASET_CREDENTIALS_ENV, EXIT_PERMANENT
 from hsx_extractor.sglang_hook.launch import server_args, server_env
+from hsx_extractor.storage.layout import MANIFEST_NAME
 from hsx_operator.api import GROUP, KIND, VERSION, ExtractionJobSpec
 
 SERVER_CONTAINER = "sglang"
@@ -216,14 +217,23 @@ def _volumes(
     return volumes, server_mounts, extractor_mounts
 
 
-def _credentials_env(spec: ExtractionJobSpec) -> list[dict[str, Any]]:
-    secret = spec.output.credentialsSecret
+def _secret_env(secret: str | None, names: tuple[str, str, str]) -> list[dict[str, Any]]:
+    """AWS credentials from ``secret``'s standard keys into ``names`` (the session token is optional)."""
     if not secret:
         return []
-    keys = [("AWS_ACCESS_KEY_ID", False), ("AWS_SECRET_ACCESS_KEY", False), ("AWS_SESSION_TOKEN", True)]
+    keys = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
     return [
-        {"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": optional}}}
-        for key, optional in keys
+        {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": key == keys[2]}}}
+        for name, key in zip(names, keys, strict=True)
+    ]
+
+
+def _credentials_env(spec: ExtractionJobSpec) -> list[dict[str, Any]]:
+    """The output's credentials as the AWS chain reads them; the dataset's own apart (contract)."""
+    own = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+    return [
+        *_secret_env(spec.output.credentialsSecret, own),
+        *_secret_env(spec.dataset.credentialsSecret, DATASET_CREDENTIALS_ENV),
     ]
 
 

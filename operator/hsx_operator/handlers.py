@@ -7,12 +7,10 @@ restarted one finds the Job instead of creating another (creation answers 409 Al
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 import time
-import urllib.request
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -24,11 +22,10 @@ from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
 from hsx_operator import metrics
-from hsx_operator.api import GROUP, PLURAL, TERMINAL_PHASES, VERSION, ExtractionJobSpec, ExtractionJobStatus
+from hsx_operator.api import GROUP, PLURAL, VERSION, ExtractionJobSpec
+from hsx_operator.cluster import Cluster, poll_progress
 from hsx_operator.desired import (
-    EXTRACTOR_CONTAINER,
     LABEL_RUN,
-    LABEL_XJ,
     Owner,
     desired_config_map,
     desired_job,
@@ -36,9 +33,10 @@ from hsx_operator.desired import (
     job_name,
 )
 from hsx_operator.observe import needs_job, observe
+from hsx_operator.pods import job_finished
+from hsx_operator.status import TERMINAL_PHASES, ExtractionJobStatus, Phase, Reason
 
 POLL_SECONDS = float(os.environ.get("HSX_OPERATOR_POLL_SECONDS", "5"))
-PROGRESS_TIMEOUT = 2.0
 _locks: dict[str, threading.Lock] = {}
 _locks_guard = threading.Lock()
 log = logging.getLogger("hsx_operator")
@@ -63,99 +61,6 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         kubernetes.config.load_incluster_config()
     except kubernetes.config.ConfigException:
         kubernetes.config.load_kube_config()
-
-
-def _json(response: Any) -> Any:
-    return json.loads(response.data)
-
-
-class Cluster:
-    """The few API calls the operator makes, returning plain camelCase dicts."""
-
-    def __init__(self) -> None:
-        self.core = kubernetes.client.CoreV1Api()
-        self.batch = kubernetes.client.BatchV1Api()
-
-    def jobs_of(self, owner: Owner) -> list[dict[str, Any]]:
-        got = _json(
-            self.batch.list_namespaced_job(
-                owner.namespace, label_selector=f"{LABEL_XJ}={owner.name}", _preload_content=False
-            )
-        )
-        return [
-            j
-            for j in got["items"]
-            if any(r.get("uid") == owner.uid for r in j["metadata"].get("ownerReferences") or [])
-        ]
-
-    def create_or_read(self, owner: Owner, manifest: dict[str, Any], kind: str) -> dict[str, Any]:
-        ns, name = owner.namespace, manifest["metadata"]["name"]
-        create: Any = (
-            self.batch.create_namespaced_job if kind == "Job" else self.core.create_namespaced_config_map
-        )
-        read: Any = self.batch.read_namespaced_job if kind == "Job" else self.core.read_namespaced_config_map
-        try:
-            return _json(create(ns, manifest, _preload_content=False))  # type: ignore[no-any-return]
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
-        existing = _json(read(name, ns, _preload_content=False))
-        if not any(r.get("uid") == owner.uid for r in existing["metadata"].get("ownerReferences") or []):
-            raise kopf.TemporaryError(
-                f"{kind} {name} exists but belongs to another object; waiting for it to go", delay=5
-            )
-        return existing  # type: ignore[no-any-return]
-
-    def pods_of(self, namespace: str, job: str) -> list[dict[str, Any]]:
-        got = _json(
-            self.core.list_namespaced_pod(
-                namespace, label_selector=f"batch.kubernetes.io/job-name={job}", _preload_content=False
-            )
-        )
-        return got["items"]  # type: ignore[no-any-return]
-
-    def events_of(self, namespace: str, pod: str) -> list[dict[str, Any]]:
-        selector = f"involvedObject.kind=Pod,involvedObject.name={pod}"
-        got = _json(
-            self.core.list_namespaced_event(namespace, field_selector=selector, _preload_content=False)
-        )
-        return sorted(got["items"], key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
-
-    def patch_job(self, namespace: str, name: str, body: dict[str, Any]) -> None:
-        self.batch.patch_namespaced_job(name, namespace, body)
-
-    def delete_job(self, namespace: str, name: str, propagation: str) -> None:
-        try:
-            self.batch.delete_namespaced_job(name, namespace, propagation_policy=propagation)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-
-
-def _finished(job: Mapping[str, Any]) -> bool:
-    return any(
-        c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
-        for c in job.get("status", {}).get("conditions") or []
-    )
-
-
-def _poll_progress(pod: Mapping[str, Any], port: int, run_id: str) -> dict[str, Any] | None:
-    ip = pod.get("status", {}).get("podIP")
-    states = {
-        c.get("name"): c.get("state") or {} for c in pod.get("status", {}).get("containerStatuses") or []
-    }
-    if not ip or "running" not in states.get(EXTRACTOR_CONTAINER, {}):
-        return None
-    host = f"[{ip}]" if ":" in ip else ip
-    try:
-        with urllib.request.urlopen(f"http://{host}:{port}/progress", timeout=PROGRESS_TIMEOUT) as resp:
-            report = json.loads(resp.read())
-    except (OSError, ValueError):
-        metrics.ERRORS.labels(kind="progress").inc()
-        return None
-    if not isinstance(report, dict) or report.get("runId", run_id) != run_id:
-        return None
-    return report
 
 
 def _status_patch(prior: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
@@ -214,8 +119,8 @@ def _reconcile(
         # The API server accepted it, so the CRD and the models disagree: say so, touch nothing.
         patch.status.update(
             {
-                "phase": "Failed",
-                "reason": "InvalidSpec",
+                "phase": Phase.FAILED.value,
+                "reason": Reason.INVALID_SPEC.value,
                 "message": str(exc)[:4000],
                 "observedGeneration": generation,
             }
@@ -231,7 +136,7 @@ def _reconcile(
         # A runId change supersedes the old run: stop its pods, keep its data and its finished Job.
         if (
             other["metadata"]["name"] != current
-            and not _finished(other)
+            and not job_finished(other)
             and not other["metadata"].get("deletionTimestamp")
         ):
             cluster.delete_job(namespace, other["metadata"]["name"], "Background")
@@ -251,7 +156,7 @@ def _reconcile(
         job = cluster.create_or_read(owner, desired_job(owner, xj, suspend=initial_suspend(xj)), "Job")
         metrics.JOBS_CREATED.inc()
         kopf.info(body, reason="JobCreated", message=f"created Job {current} for run {xj.runId}")
-    elif job is not None and not _finished(job) and run_status.phase not in TERMINAL_PHASES:
+    elif job is not None and not job_finished(job) and run_status.phase not in TERMINAL_PHASES:
         want = True if xj.suspend else (None if xj.scheduling.queueName else False)
         if want is not None and bool(job["spec"].get("suspend")) != want:
             cluster.patch_job(namespace, current, {"spec": {"suspend": want}})
@@ -271,7 +176,7 @@ def _reconcile(
         reports = dict(
             zip(
                 [p["metadata"]["name"] for p in pods],
-                pool.map(lambda p: _poll_progress(p, xj.extractor.progressPort, xj.runId), pods),
+                pool.map(lambda p: poll_progress(p, xj.extractor.progressPort, xj.runId), pods),
                 strict=True,
             )
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from hsx_operator.api import PHASES
+from hsx_operator.status import Phase
 
 RECONCILES = Counter(
     "hsx_operator_reconciles_total",
@@ -27,5 +27,5 @@ def record_phase(uid: str, phase: str | None) -> None:
         _phase_of.pop(uid, None)
     else:
         _phase_of[uid] = phase
-    for p in PHASES:
-        JOBS_BY_PHASE.labels(phase=p).set(sum(1 for v in _phase_of.values() if v == p))
+    for p in Phase:
+        JOBS_BY_PHASE.labels(phase=p.value).set(sum(1 for v in _phase_of.values() if v == p))

@@ -3,57 +3,43 @@
 Input: the spec, the previous status, the run's Job, its pods, their events and what each
 extractor's ``/progress`` said (all as plain dicts in Kubernetes' camelCase JSON). Output: the new
 status, the Events worth emitting, and whether the run must be stopped (startup deadline).
+:func:`observe` picks the situation the run is in; one small function per situation sets the phase.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any
 
-from hsx_extractor.config import EXIT_PERMANENT, PROGRESS_FIELDS
-from hsx_operator.api import (
+from hsx_extractor.contract import PROGRESS_COUNTERS, PROGRESS_RATES, ProgressReport
+from hsx_operator.api import ExtractionJobSpec
+from hsx_operator.conditions import conditions_for, rfc3339
+from hsx_operator.desired import job_name, manifest_uri, output_prefix
+from hsx_operator.pods import (
+    exit_summary,
+    is_active,
+    job_condition,
+    pod_problem,
+    pod_scheduled,
+    replica_index,
+    report_from,
+    server_ready,
+    terminated_progress,
+)
+from hsx_operator.status import (
     TERMINAL_PHASES,
-    Condition,
-    ExtractionJobSpec,
     ExtractionJobStatus,
+    Phase,
     Progress,
+    Reason,
     ReplicaStatus,
     RunRecord,
 )
-from hsx_operator.desired import EXTRACTOR_CONTAINER, SERVER_CONTAINER, job_name, manifest_uri, output_prefix
 
 HISTORY_LIMIT = 20
-COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
-# Container waiting reasons that mean the pod cannot start without someone's help.
-STUCK_WAITING = frozenset(
-    {
-        "ErrImagePull",
-        "ImagePullBackOff",
-        "InvalidImageName",
-        "ErrImageNeverPull",
-        "CreateContainerConfigError",
-        "CreateContainerError",
-        "CrashLoopBackOff",
-    }
-)
-_INT_FIELDS = (
-    "samplesTotal",
-    "samplesDone",
-    "samplesQuarantined",
-    "tokensDone",
-    "bytesCommitted",
-    "shardsCommitted",
-    "shardsTotal",
-)
-_RATE_FIELDS = ("samplesPerSecond", "tokensPerSecond")
-
-
-def rfc3339(t: datetime) -> str:
-    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def parse_time(value: str | None) -> datetime | None:
@@ -96,81 +82,6 @@ class Outcome:
     stop_job: bool = False
 
 
-# ------------------------------------------------------------------------------------ conditions
-
-
-def set_condition(
-    conditions: Sequence[Condition],
-    type_: str,
-    status: Literal["True", "False"],
-    reason: str,
-    message: str,
-    generation: int,
-    now: datetime,
-) -> list[Condition]:
-    """Replace one condition; keep lastTransitionTime when its status did not change."""
-    out: list[Condition] = []
-    found = False
-    for c in conditions:
-        if c.type != type_:
-            out.append(c)
-            continue
-        found = True
-        since = c.lastTransitionTime if c.status == status else rfc3339(now)
-        out.append(
-            Condition(
-                type=type_,
-                status=status,
-                reason=reason,
-                message=message,
-                observedGeneration=generation,
-                lastTransitionTime=since,
-            )
-        )
-    if not found:
-        out.append(
-            Condition(
-                type=type_,
-                status=status,
-                reason=reason,
-                message=message,
-                observedGeneration=generation,
-                lastTransitionTime=rfc3339(now),
-            )
-        )
-    return out
-
-
-def _conditions(
-    status: ExtractionJobStatus, stalled: bool, server_ready: bool, generation: int, now: datetime
-) -> list[Condition]:
-    phase, reason, msg = status.phase, status.reason or status.phase, status.message
-    conds = list(status.conditions)
-
-    def put(type_: str, on: bool, why: str, text: str = "") -> None:
-        nonlocal conds
-        conds = set_condition(conds, type_, "True" if on else "False", why, text, generation, now)
-
-    running = phase in ("Pending", "Starting", "Running")
-    put("Reconciling", running, reason if running else phase, msg if running else "")
-    put(
-        "Stalled",
-        stalled or phase == "Failed",
-        reason if (stalled or phase == "Failed") else "Progressing",
-        msg if stalled or phase == "Failed" else "",
-    )
-    put("ServerReady", server_ready, "ServerReady" if server_ready else (reason if running else phase))
-    put(
-        "Succeeded",
-        phase == "Succeeded",
-        reason if phase == "Succeeded" else phase,
-        msg if phase == "Succeeded" else "",
-    )
-    put("Failed", phase == "Failed", reason if phase == "Failed" else phase, msg if phase == "Failed" else "")
-    put("Suspended", phase == "Suspended", reason if phase == "Suspended" else phase)
-    return conds
-
-
 # --------------------------------------------------------------------------------------- runs
 
 
@@ -180,7 +91,7 @@ def start_run(prior: ExtractionJobStatus, spec: ExtractionJobSpec, xj_name: str)
         return prior
     history = list(prior.history)
     if prior.observedRunId:
-        ended = prior.phase if prior.phase in TERMINAL_PHASES else "Superseded"
+        ended = str(prior.phase) if prior.phase in TERMINAL_PHASES else "Superseded"
         history.append(
             RunRecord(
                 runId=prior.observedRunId,
@@ -194,10 +105,10 @@ def start_run(prior: ExtractionJobStatus, spec: ExtractionJobSpec, xj_name: str)
             )
         )
     fresh = ExtractionJobStatus(
-        phase="Pending",
+        phase=Phase.PENDING,
         observedRunId=spec.runId,
         jobName=job_name(xj_name, spec.runId),
-        reason="RunCreated",
+        reason=Reason.RUN_CREATED,
         message=f"run {spec.runId} created",
         history=history[-HISTORY_LIMIT:],
         conditions=prior.conditions,
@@ -212,140 +123,29 @@ def needs_job(status: ExtractionJobStatus, job: Mapping[str, Any] | None) -> boo
     return job is None and status.phase not in TERMINAL_PHASES and status.startTime is None
 
 
-# --------------------------------------------------------------------------------------- pods
-
-
-def _job_condition(job: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
-    for c in job.get("status", {}).get("conditions") or []:
-        if c.get("type") == type_ and c.get("status") == "True":
-            return c  # type: ignore[no-any-return]
-    return None
-
-
-def _container_status(pod: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
-    st = pod.get("status", {})
-    for c in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
-        if c.get("name") == name:
-            return c  # type: ignore[no-any-return]
-    return None
-
-
-def replica_index(pod: Mapping[str, Any]) -> int:
-    meta = pod.get("metadata", {})
-    raw = (meta.get("annotations") or {}).get(COMPLETION_INDEX_ANNOTATION) or (meta.get("labels") or {}).get(
-        COMPLETION_INDEX_ANNOTATION, "0"
-    )
-    try:
-        return int(raw)
-    except ValueError:
-        return 0
-
-
-def _is_active(pod: Mapping[str, Any]) -> bool:
-    return pod.get("status", {}).get("phase") in ("Pending", "Running", None) and not pod.get(
-        "metadata", {}
-    ).get("deletionTimestamp")
-
-
-def server_ready(pod: Mapping[str, Any]) -> bool:
-    cs = _container_status(pod, SERVER_CONTAINER)
-    return bool(cs and cs.get("started") and cs.get("ready") and "running" in (cs.get("state") or {}))
-
-
-def pod_problem(pod: Mapping[str, Any], events: Sequence[Mapping[str, Any]]) -> tuple[str, str] | None:
-    """Why a pod cannot make progress: (reason, message), or None."""
-    name = pod.get("metadata", {}).get("name", "?")
-    st = pod.get("status", {})
-    for c in st.get("conditions") or []:
-        if (
-            c.get("type") == "PodScheduled"
-            and c.get("status") == "False"
-            and c.get("reason") == "Unschedulable"
-        ):
-            return "Unschedulable", f"pod {name}: {c.get('message', '')}".strip()
-    for container in (SERVER_CONTAINER, EXTRACTOR_CONTAINER):
-        cs = _container_status(pod, container)
-        waiting = ((cs or {}).get("state") or {}).get("waiting") or {}
-        reason = waiting.get("reason", "")
-        if reason in STUCK_WAITING:
-            if reason == "CrashLoopBackOff" and container == SERVER_CONTAINER:
-                restarts = (cs or {}).get("restartCount", 0)
-                return (
-                    "ServerCrashLooping",
-                    f"pod {name}: server restarted {restarts} times: {waiting.get('message', '')}".strip(),
-                )
-            return reason, f"pod {name} container {container}: {waiting.get('message', reason)}"
-    if st.get("phase") == "Pending" and not any(
-        c.get("type") == "PodScheduled" and c.get("status") == "True" for c in st.get("conditions") or []
-    ):
-        for ev in reversed(events):
-            if ev.get("reason") == "FailedScheduling":
-                return "Unschedulable", f"pod {name}: {ev.get('message', '')}"
-    return None
-
-
-def _terminated_progress(pod: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The final progress the extractor left as its termination message (JSON), if any."""
-    cs = _container_status(pod, EXTRACTOR_CONTAINER)
-    text = (((cs or {}).get("state") or {}).get("terminated") or {}).get("message")
-    if not text:
-        return None
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _exit_summary(pods: Sequence[Mapping[str, Any]]) -> str:
-    """Last extractor exit of a failed pod, for the Failed message."""
-    for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("creationTimestamp") or "", reverse=True):
-        cs = _container_status(pod, EXTRACTOR_CONTAINER)
-        term = ((cs or {}).get("state") or {}).get("terminated")
-        if term and term.get("exitCode"):
-            code = term["exitCode"]
-            kind = "permanent failure" if code == EXIT_PERMANENT else "failure"
-            final = _terminated_progress(pod)
-            if final is not None:
-                detail = str(final.get("lastError") or term.get("reason", ""))
-            else:
-                lines = (term.get("message") or "").strip().splitlines()
-                detail = lines[-1] if lines else term.get("reason", "")
-            return f"extractor exited {code} ({kind}) in pod {pod['metadata'].get('name')}: {detail}"[:2000]
-    return ""
-
-
 # ----------------------------------------------------------------------------------- progress
 
 
 def merge_replica(
-    prior: ReplicaStatus | None, index: int, pod_name: str, report: Mapping[str, Any]
+    prior: ReplicaStatus | None, index: int, pod_name: str, report: ProgressReport
 ) -> ReplicaStatus:
-    """One replica's status from a /progress report; fields the report lacks keep their last value."""
+    """One replica's status from a progress report; fields the report lacks keep their last value."""
     base: dict[str, Any] = prior.model_dump() if prior else {"index": index}
     base["index"] = index
     base["pod"] = pod_name
-    if "state" in report:
-        base["state"] = str(report["state"])
-    for key in PROGRESS_FIELDS:
-        if key not in report or key not in ReplicaStatus.model_fields:
-            continue
-        value = report[key]
-        if key in _INT_FIELDS:
-            base[key] = int(value or 0)
-        elif key in _RATE_FIELDS:
-            base[key] = float(value or 0.0)
-        elif key == "etaSeconds":
-            base[key] = None if value is None else float(value)
-        elif key == "lastError":
-            base[key] = str(value or "")[:4096]
+    given = report.model_fields_set
+    for key in ("state", *PROGRESS_COUNTERS, *PROGRESS_RATES, "etaSeconds"):
+        if key in given:
+            base[key] = getattr(report, key)
+    if "lastError" in given:
+        base["lastError"] = (report.lastError or "")[:4096]
     return ReplicaStatus.model_validate(base)
 
 
 def aggregate(replicas: Sequence[ReplicaStatus], running: bool, updated: str | None) -> Progress:
     """One progress block for the run: counts summed, ETA of the slowest replica."""
-    sums = {k: sum(getattr(r, k) for r in replicas) for k in _INT_FIELDS}
-    rates = {k: sum(getattr(r, k) for r in replicas) if running else 0.0 for k in _RATE_FIELDS}
+    sums = {k: sum(getattr(r, k) for r in replicas) for k in PROGRESS_COUNTERS}
+    rates = {k: sum(getattr(r, k) for r in replicas) if running else 0.0 for k in PROGRESS_RATES}
     etas = [
         r.etaSeconds for r in replicas if r.etaSeconds is not None and r.state not in ("succeeded", "failed")
     ]
@@ -366,6 +166,161 @@ def aggregate(replicas: Sequence[ReplicaStatus], running: bool, updated: str | N
 
 
 # -------------------------------------------------------------------------------------- observe
+
+
+@dataclass
+class _Seen:
+    """What observing the pods adds to the phase: a stuck pod, all servers ready, a run to stop."""
+
+    stalled: bool = False
+    all_ready: bool = False
+    stop: bool = False
+
+
+def _set(status: ExtractionJobStatus, phase: Phase, reason: str, message: str) -> None:
+    status.phase, status.reason, status.message = phase, reason, message
+
+
+def _without_job(status: ExtractionJobStatus, now: datetime) -> None:
+    if status.startTime is not None:
+        # It existed for this run and is gone before its end was seen: never start it again.
+        _set(
+            status,
+            Phase.FAILED,
+            Reason.JOB_DELETED,
+            f"Job {status.jobName} was deleted before the run ended; change runId to run again",
+        )
+        status.completionTime = rfc3339(now)
+    else:
+        _set(status, Phase.PENDING, Reason.JOB_PENDING, f"creating Job {status.jobName}")
+
+
+def _completed(
+    status: ExtractionJobStatus, spec: ExtractionJobSpec, job: Mapping[str, Any], now: datetime
+) -> None:
+    message = f"all {spec.parallelism} replica(s) finished; manifest {status.output.manifestUri}"
+    _set(status, Phase.SUCCEEDED, Reason.COMPLETED, message)
+    status.completionTime = job.get("status", {}).get("completionTime") or rfc3339(now)
+
+
+def _failed(
+    status: ExtractionJobStatus,
+    condition: Mapping[str, Any],
+    failures: int,
+    pods: Sequence[Mapping[str, Any]],
+    now: datetime,
+) -> None:
+    # The last failure was not retried: it ended the run.
+    status.attempt = max(1, failures)
+    reason = condition.get("reason") or Reason.JOB_FAILED
+    message = "; ".join(m for m in (condition.get("message", ""), exit_summary(pods)) if m)[:32768]
+    _set(status, Phase.FAILED, Reason.PERMANENT_FAILURE if reason == "PodFailurePolicy" else reason, message)
+    status.completionTime = rfc3339(now)
+
+
+def _suspended(status: ExtractionJobStatus, spec: ExtractionJobSpec) -> None:
+    if spec.suspend:
+        _set(
+            status, Phase.SUSPENDED, Reason.SUSPENDED, "suspended by spec.suspend; committed shards are kept"
+        )
+    else:
+        queue = spec.scheduling.queueName
+        _set(status, Phase.SUSPENDED, Reason.QUEUED, f"waiting for Kueue to admit the Job (queue {queue})")
+
+
+def _active(
+    status: ExtractionJobStatus,
+    pods: Sequence[Mapping[str, Any]],
+    events: Mapping[str, Sequence[Mapping[str, Any]]],
+    now: datetime,
+) -> _Seen:
+    """A run whose Job neither ended nor is suspended: pods pending, servers starting, or extracting."""
+    seen = _Seen()
+    active = [p for p in pods if is_active(p)]
+    problems = [p for p in (pod_problem(pod, events.get(pod["metadata"]["name"], [])) for pod in active) if p]
+    ready = [p for p in active if server_ready(p)]
+    seen.all_ready = bool(active) and len(ready) == len(active)
+    if problems:
+        seen.stalled = True
+        reason, message = problems[0]
+        crash_looping = any(pod_scheduled(p) for p in active) and reason == Reason.SERVER_CRASH_LOOPING
+        _set(status, Phase.STARTING if crash_looping else Phase.PENDING, reason, message)
+    elif not active:
+        _set(status, Phase.PENDING, Reason.PODS_PENDING, "waiting for the Job to create pods")
+    elif seen.all_ready:
+        p = aggregate(status.replicas, True, None)
+        message = f"{len(active)} server(s) ready; {p.samplesDone}/{p.samplesTotal} samples"
+        _set(status, Phase.RUNNING, Reason.EXTRACTING, message)
+        status.serverReadyTime = status.serverReadyTime or rfc3339(now)
+    else:
+        scheduled = any(pod_scheduled(p) for p in active)
+        _set(
+            status,
+            Phase.STARTING if scheduled else Phase.PENDING,
+            Reason.SERVER_STARTING if scheduled else Reason.PODS_PENDING,
+            f"{len(ready)}/{len(active)} server(s) ready",
+        )
+    return seen
+
+
+def _past_startup_deadline(status: ExtractionJobStatus, spec: ExtractionJobSpec, now: datetime) -> bool:
+    """Servers not ready within startupDeadlineSeconds: fail the run (the caller stops its Job)."""
+    deadline = spec.startupDeadlineSeconds
+    started = parse_time(status.startTime)
+    if (
+        deadline is None
+        or status.serverReadyTime is not None
+        or status.phase not in (Phase.PENDING, Phase.STARTING)
+        or started is None
+        or (now - started).total_seconds() <= deadline
+    ):
+        return False
+    why = f" (last: {status.reason}: {status.message})" if status.reason else ""
+    message = f"servers not ready within startupDeadlineSeconds={deadline}{why}"[:32768]
+    _set(status, Phase.FAILED, Reason.STARTUP_DEADLINE_EXCEEDED, message)
+    status.completionTime = rfc3339(now)
+    return True
+
+
+def _with_job(
+    status: ExtractionJobStatus,
+    spec: ExtractionJobSpec,
+    job: Mapping[str, Any],
+    pods: Sequence[Mapping[str, Any]],
+    events: Mapping[str, Sequence[Mapping[str, Any]]],
+    now: datetime,
+) -> _Seen:
+    jst = job.get("status", {})
+    status.startTime = status.startTime or job.get("metadata", {}).get("creationTimestamp") or rfc3339(now)
+    failures = int(jst.get("failed") or 0)
+    status.attempt = 1 + failures
+    failed = job_condition(job, "Failed") or job_condition(job, "FailureTarget")
+    if job_condition(job, "Complete") or job_condition(job, "SuccessCriteriaMet"):
+        _completed(status, spec, job, now)
+    elif failed:
+        _failed(status, failed, failures, pods, now)
+    elif job.get("spec", {}).get("suspend"):
+        _suspended(status, spec)
+    else:
+        seen = _active(status, pods, events, now)
+        seen.stop = _past_startup_deadline(status, spec, now)
+        return seen
+    return _Seen()
+
+
+def _merge_reports(
+    status: ExtractionJobStatus, pods: Sequence[Mapping[str, Any]], progress: Mapping[str, Mapping[str, Any]]
+) -> None:
+    """Each pod's report (polled, or its termination message) into its replica's status."""
+    replicas = {r.index: r for r in status.replicas}
+    for pod in pods:
+        pname = pod.get("metadata", {}).get("name", "")
+        idx = replica_index(pod)
+        polled = progress.get(pname)
+        report = report_from(polled) if polled else terminated_progress(pod)
+        if report:
+            replicas[idx] = merge_replica(replicas.get(idx), idx, pname, report)
+    status.replicas = [replicas[i] for i in sorted(replicas)]
 
 
 def observe(
@@ -401,121 +356,24 @@ def observe(
     status = base.model_copy(deep=True)
     status.observedGeneration = generation
     status.jobName = job_name(xj_name, spec.runId)
-    stalled = False
-    all_ready = False
-    stop = False
-
-    replicas = {r.index: r for r in status.replicas}
-    for pod in pods:
-        pname = pod.get("metadata", {}).get("name", "")
-        idx = replica_index(pod)
-        report = progress.get(pname) or _terminated_progress(pod)
-        if report:
-            replicas[idx] = merge_replica(replicas.get(idx), idx, pname, report)
-    status.replicas = [replicas[i] for i in sorted(replicas)]
+    _merge_reports(status, pods, progress)
     if progress:
         status.progress.lastUpdateTime = rfc3339(now)
-
     if job is None:
-        if status.startTime is not None:
-            # It existed for this run and is gone before its end was seen: never start it again.
-            status.phase, status.reason = "Failed", "JobDeleted"
-            status.message = (
-                f"Job {status.jobName} was deleted before the run ended; change runId to run again"
-            )
-            status.completionTime = rfc3339(now)
-        else:
-            status.phase, status.reason, status.message = (
-                "Pending",
-                "JobPending",
-                f"creating Job {status.jobName}",
-            )
+        _without_job(status, now)
+        seen = _Seen()
     else:
-        jst = job.get("status", {})
-        created = job.get("metadata", {}).get("creationTimestamp")
-        status.startTime = status.startTime or created or rfc3339(now)
-        failures = int(jst.get("failed") or 0)
-        status.attempt = 1 + failures
-        active = [p for p in pods if _is_active(p)]
-        done = _job_condition(job, "Complete") or _job_condition(job, "SuccessCriteriaMet")
-        failed = _job_condition(job, "Failed") or _job_condition(job, "FailureTarget")
-        if done:
-            status.phase, status.reason = "Succeeded", "Completed"
-            status.message = (
-                f"all {spec.parallelism} replica(s) finished; manifest {status.output.manifestUri}"
-            )
-            status.completionTime = jst.get("completionTime") or rfc3339(now)
-        elif failed:
-            status.phase = "Failed"
-            # The last failure was not retried: it ended the run.
-            status.attempt = max(1, failures)
-            reason = failed.get("reason") or "JobFailed"
-            status.reason = "PermanentFailure" if reason == "PodFailurePolicy" else reason
-            exits = _exit_summary(pods)
-            status.message = "; ".join(m for m in (failed.get("message", ""), exits) if m)[:32768]
-            status.completionTime = rfc3339(now)
-        elif job.get("spec", {}).get("suspend"):
-            status.phase = "Suspended"
-            if spec.suspend:
-                status.reason, status.message = (
-                    "Suspended",
-                    "suspended by spec.suspend; committed shards are kept",
-                )
-            else:
-                status.reason, status.message = (
-                    "Queued",
-                    f"waiting for Kueue to admit the Job (queue {spec.scheduling.queueName})",
-                )
-        else:
-            problems = [
-                p for p in (pod_problem(pod, events.get(pod["metadata"]["name"], [])) for pod in active) if p
-            ]
-            ready = [p for p in active if server_ready(p)]
-            all_ready = bool(active) and len(ready) == len(active)
-            if problems:
-                stalled = True
-                status.reason, status.message = problems[0]
-                status.phase = (
-                    "Starting"
-                    if any(_scheduled(p) for p in active) and problems[0][0] == "ServerCrashLooping"
-                    else "Pending"
-                )
-            elif not active:
-                status.phase, status.reason, status.message = (
-                    "Pending",
-                    "PodsPending",
-                    "waiting for the Job to create pods",
-                )
-            elif all_ready:
-                status.phase, status.reason = "Running", "Extracting"
-                p = aggregate(status.replicas, True, None)
-                status.message = f"{len(active)} server(s) ready; {p.samplesDone}/{p.samplesTotal} samples"
-                status.serverReadyTime = status.serverReadyTime or rfc3339(now)
-            else:
-                scheduled = [p for p in active if _scheduled(p)]
-                status.phase = "Starting" if scheduled else "Pending"
-                status.reason = "ServerStarting" if scheduled else "PodsPending"
-                status.message = f"{len(ready)}/{len(active)} server(s) ready"
-            deadline = spec.startupDeadlineSeconds
-            started = parse_time(status.startTime)
-            if (
-                deadline is not None
-                and status.serverReadyTime is None
-                and status.phase in ("Pending", "Starting")
-                and started is not None
-                and (now - started).total_seconds() > deadline
-            ):
-                why = f" (last: {status.reason}: {status.message})" if status.reason else ""
-                status.phase, status.reason = "Failed", "StartupDeadlineExceeded"
-                status.message = f"servers not ready within startupDeadlineSeconds={deadline}{why}"[:32768]
-                status.completionTime = rfc3339(now)
-                stop = True
+        seen = _with_job(status, spec, job, pods, events, now)
 
     terminal = status.phase in TERMINAL_PHASES
-    status.progress = aggregate(status.replicas, status.phase == "Running", status.progress.lastUpdateTime)
-    status.conditions = _conditions(status, stalled, all_ready and status.phase == "Running", generation, now)
+    status.progress = aggregate(
+        status.replicas, status.phase == Phase.RUNNING, status.progress.lastUpdateTime
+    )
+    status.conditions = conditions_for(
+        status, seen.stalled, seen.all_ready and status.phase == Phase.RUNNING, generation, now
+    )
     if (status.phase, status.reason) != (base.phase, base.reason) or new_run:
-        warn = stalled or status.phase == "Failed"
+        warn = seen.stalled or status.phase == Phase.FAILED
         notes.append(
             EventNote(
                 "Warning" if warn else "Normal",
@@ -528,11 +386,4 @@ def observe(
             r.model_copy(update={"samplesPerSecond": 0.0, "tokensPerSecond": 0.0, "etaSeconds": None})
             for r in status.replicas
         ]
-    return Outcome(status, notes, stop)
-
-
-def _scheduled(pod: Mapping[str, Any]) -> bool:
-    return any(
-        c.get("type") == "PodScheduled" and c.get("status") == "True"
-        for c in pod.get("status", {}).get("conditions") or []
-    )
+    return Outcome(status, notes, seen.stop)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hsx_extractor.tinymodel import build_tiny_model
+from hsx_extractor.tools.tinymodel import build_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -19,6 +19,6 @@ def fault_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def fault_tokenizer(fault_model: Path):  # type: ignore[no-untyped-def]
-    from hsx_extractor.tokens import ChatTokenizer
+    from hsx_extractor.run.tokens import ChatTokenizer
 
     return ChatTokenizer(fault_model)

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from hsx_extractor.config import OutputSpec
-from hsx_extractor.shards import SampleRecord
-from hsx_extractor.store import open_store
+from hsx_extractor.storage.shard_format import SampleRecord
+from hsx_extractor.storage.store import open_store
 
 BIN = Path(sys.executable).parent
 HSX = str(BIN / "hsx")

@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from hsx_extractor.dataset import Prepared, iter_lines, read_samples
-from tests.extractor.helpers import chat_rows, write_jsonl
+from hsx_extractor.run.dataset import Prepared, iter_lines, read_samples
 from tests.faults.helpers import (
     RefServerProcess,
     committed_count,
@@ -23,6 +22,7 @@ from tests.faults.helpers import (
     start_extract,
     stored,
 )
+from tests.run.helpers import chat_rows, write_jsonl
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 SEED = 20261202_01

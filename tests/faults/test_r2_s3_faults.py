@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.extractor.helpers import chat_rows, write_jsonl
 from tests.faults.helpers import RefServerProcess, free_port, hsx_verify, start_extract, stored
+from tests.run.helpers import chat_rows, write_jsonl
 from tests.storage.faultproxy import FAULTS, FaultPlan, FaultProxy
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]

@@ -13,11 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hsx_extractor.config import EXIT_OK, EXIT_TRANSIENT, ExtractConfig
-from hsx_extractor.progress import Progress
-from hsx_extractor.runner import extract
-from tests.extractor.helpers import chat_rows, write_jsonl
+from hsx_extractor.config import ExtractConfig
+from hsx_extractor.contract import EXIT_OK, EXIT_TRANSIENT
+from hsx_extractor.run.progress import Progress
+from hsx_extractor.run.runner import extract
 from tests.faults.helpers import RefServerProcess, free_port, hsx_verify, stored
+from tests.run.helpers import chat_rows, write_jsonl
 
 pytestmark = pytest.mark.slow
 SEED = 20261202_03

@@ -14,14 +14,14 @@ import aiohttp
 import pytest
 
 from hsx_extractor.config import ExtractConfig
-from hsx_extractor.demo import reference_server
-from hsx_extractor.pipeline import Extraction
-from hsx_extractor.progress import Progress, bound_port, start_progress_server
 from hsx_extractor.reasons import Reason
-from hsx_extractor.tinymodel import CHAT_TEMPLATE
-from hsx_extractor.verify import run_verify
-from tests.extractor.helpers import chat_rows
+from hsx_extractor.run.extraction import Extraction
+from hsx_extractor.run.progress import Progress, bound_port, start_progress_server
+from hsx_extractor.tools.demo import reference_server
+from hsx_extractor.tools.tinymodel import CHAT_TEMPLATE
+from hsx_extractor.tools.verify import run_verify
 from tests.faults.helpers import stored
+from tests.run.helpers import chat_rows
 
 pytestmark = pytest.mark.slow
 MAX_LENGTH = 256

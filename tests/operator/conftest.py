@@ -69,14 +69,14 @@ def op_workdir() -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def tiny_model(op_workdir: Path) -> Path:
     """A tiny random Llama with its tokenizer, in {op_workdir}/models/tiny (mounted at /models)."""
-    from hsx_extractor.tinymodel import build_tiny_model
+    from hsx_extractor.tools.tinymodel import build_tiny_model
 
     return build_tiny_model(op_workdir / "models" / "tiny")
 
 
 @pytest.fixture(scope="session")
 def chat_dataset(op_workdir: Path) -> Path:
-    from hsx_extractor.tinymodel import example_dataset_path
+    from hsx_extractor.tools.tinymodel import example_dataset_path
 
     target = op_workdir / "data" / "chat.jsonl"
     target.parent.mkdir(parents=True)
@@ -110,7 +110,7 @@ def run_env(
 @pytest.fixture(scope="session")
 def long_dataset(op_workdir: Path) -> Path:
     """The bundled chat dataset, its readable rows repeated COPIES times under new ids (its bad rows once)."""
-    from hsx_extractor.tinymodel import example_dataset_path
+    from hsx_extractor.tools.tinymodel import example_dataset_path
 
     target = op_workdir / "data-long" / "chat-long.jsonl"
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from hsx_extractor.config import OutputSpec
-from hsx_extractor.keys import PLAN_NAME
-from hsx_extractor.store import open_store
+from hsx_extractor.run.plan import PLAN_NAME
+from hsx_extractor.storage.store import open_store
 from tests.operator.conftest import HSX, POLL_SECONDS, wait_for
 from tests.operator.kube_helpers import Namespace, xj_manifest
 

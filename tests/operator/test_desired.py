@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import yaml
 
-from hsx_extractor.config import EXIT_PERMANENT, ExtractConfig
+from hsx_extractor.config import ExtractConfig
+from hsx_extractor.contract import EXIT_PERMANENT
 from hsx_operator.desired import (
     DUMP_DIR,
     LABEL_QUEUE,

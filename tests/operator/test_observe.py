@@ -5,8 +5,10 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from hsx_operator.api import ExtractionJobSpec, ExtractionJobStatus
-from hsx_operator.observe import Outcome, human_duration, needs_job, observe, set_condition
+from hsx_operator.api import ExtractionJobSpec
+from hsx_operator.conditions import set_condition
+from hsx_operator.observe import Outcome, human_duration, needs_job, observe
+from hsx_operator.status import ExtractionJobStatus
 from tests.operator.helpers import (
     EXTRACTOR_RUNNING,
     EXTRACTOR_WAITING,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hsx_extractor.sglang_hook import SGLANG_BASE_IMAGE
+from hsx_extractor.sglang_hook.launch import SGLANG_BASE_IMAGE
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"

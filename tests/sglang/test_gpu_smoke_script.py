@@ -55,7 +55,7 @@ def test_usage_without_arguments() -> None:
 def test_rehearsal_on_cpu_runs_every_step(tmp_path: Path) -> None:
     """The script end to end with the CPU reference server standing in for SGLang: dataset,
     server start and health wait, hsx extract, hsx verify, the state comparison."""
-    from hsx_extractor.tinymodel import TinyModelSpec, build_tiny_model
+    from hsx_extractor.tools.tinymodel import TinyModelSpec, build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", TinyModelSpec(num_layers=6, hidden_size=32))
     bin_dir = Path(sys.executable).parent

@@ -36,7 +36,7 @@ def _run(blocked: list[str], code: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("command", ["extract", "verify"])
 def test_extractor_image_commands_need_no_torch(command: str) -> None:
-    code = f"from hsx_extractor.cli import main; import hsx_extractor.pipeline; main([{command!r}, '--help'])"
+    code = f"from hsx_extractor.tools.cli import main; import hsx_extractor.run.extraction; main([{command!r}, '--help'])"
     run = _run(["torch", "kopf", "kubernetes"], code)
     assert run.returncode == 0, run.stderr
     assert f"usage: hsx {command}" in run.stdout

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hsx_extractor.protocol import DUMP_DIR_ENV
-from hsx_extractor.sglang_hook import (
+from hsx_extractor.sglang_hook.launch import (
     SGLANG_BASE_IMAGE,
     SGLANG_VERSION,
     is_extraction_env,

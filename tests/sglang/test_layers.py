@@ -1,10 +1,10 @@
-"""The layer-id convention (hsx_extractor.layers), as pure functions."""
+"""The layer-id convention (hsx_extractor.model), as pure functions."""
 
 from __future__ import annotations
 
 import pytest
 
-from hsx_extractor.layers import capture_layers, default_capture_layers
+from hsx_extractor.model import capture_layers, default_capture_layers
 
 
 def test_default_is_inputs_of_2_half_and_n_minus_3() -> None:

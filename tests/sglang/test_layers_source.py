@@ -1,9 +1,9 @@
-"""hsx_extractor.layers against every EAGLE-3 capture setter in SGLang 0.5.23.
+"""hsx_extractor.model against every EAGLE-3 capture setter in SGLang 0.5.23.
 
 Each architecture's real ``set_eagle3_layers_to_capture`` (found through its class bases in the
 wheel's models/) runs on a stand-in model object; what the model's forward then captures (the
 layer inputs ``i`` with ``i in layers_to_capture`` while walking the layers, plus the state after
-the last layer for the models whose forward does that) must be what layers.py says, or layers.py
+the last layer for the models whose forward does that) must be what hsx_extractor.model says, or model.py
 must refuse the ids where SGLang would capture fewer layers than asked.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from hsx_extractor import layers
+from hsx_extractor import model as layers
 
 N = 16
 ID_SETS: list[list[int] | None] = [None, [1, 7, 12], [2, 7, 12], [0, 3, N - 1], [5, 3, 9]]

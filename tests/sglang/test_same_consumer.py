@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from hsx_extractor import collect, protocol
 from hsx_extractor.reasons import Reason
-from hsx_extractor.reference_server import ReferenceModel, ReferenceServer
-from hsx_extractor.tinymodel import build_tiny_model
+from hsx_extractor.run import collect, protocol
+from hsx_extractor.tools.reference_server import ReferenceModel, ReferenceServer
+from hsx_extractor.tools.tinymodel import build_tiny_model
 from tests.sglang.conftest import Hooked
 from tests.sglang.harness import Chunk, StandInReq, make_processor, run_prefill
 
@@ -98,7 +98,7 @@ def test_collector_waits_for_a_dump_the_writer_thread_finishes_later(hooked: Hoo
 
 
 def test_the_extractors_own_request_gets_a_dump(hooked: Hooked) -> None:
-    from hsx_extractor.client import generate_body
+    from hsx_extractor.run.server_client import generate_body
 
     body = generate_body([4, 5, 6], "hsx-client-0-a0")
     req = StandInReq(body["rid"], body["input_ids"], return_hidden_states=body["return_hidden_states"])

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from hsx_extractor.sglang_hook import server_args
 from hsx_extractor.sglang_hook.launch import (
     SGLANG_VERSION,
     TARGET_CLASS,
     TARGET_KWONLY,
     TARGET_METHOD,
     TARGET_MODULE,
+    server_args,
 )
 
 SRT = "sglang/srt"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hsx_extractor.shards import SampleRecord
+from hsx_extractor.storage.shard_format import SampleRecord
 
 
 def bf16_bits(values: np.ndarray) -> np.ndarray:
@@ -54,13 +54,20 @@ def plan_for(num_samples: int, per_shard: int) -> dict[str, list[dict[str, int]]
     }
 
 
+def finalize_run(store, run_info: dict):  # type: ignore[no-untyped-def]
+    """``store.finalize`` with the shards of the run's stored plan.json, as the run does."""
+    from hsx_extractor.run.plan import PLAN_NAME, planned_shards
+
+    return store.finalize(planned_shards(store.get_json(PLAN_NAME)), run_info)
+
+
 def seq_len_of(index: int) -> int:
     return 5 + (index * 37) % 60
 
 
 def write_run(store, plan, hidden: int = 64, quarantine: frozenset[int] = frozenset(), seed: int = 0):  # type: ignore[no-untyped-def]
     """Write every uncommitted shard of ``plan`` the way the pipeline does; returns the commits."""
-    from hsx_extractor.shards import QuarantineEntry
+    from hsx_extractor.storage.shard_format import QuarantineEntry
 
     store.put_json_if_absent("plan.json", plan)
     done = store.committed_shards()

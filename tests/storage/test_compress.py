@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from hsx_extractor.compress import (
+from hsx_extractor.storage.compress import (
     CODEC_BF16_SPLIT_ZSTD,
     CODEC_RAW,
     CodecError,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from hsx_extractor.config import OutputSpec
-from hsx_extractor.store import open_store
-from hsx_extractor.verify import run_verify
+from hsx_extractor.storage.store import open_store
+from hsx_extractor.tools.verify import run_verify
 from tests.ground.s3 import S3Server
 from tests.storage.faultproxy import FAULTS, FaultPlan, FaultProxy
-from tests.storage.samples import plan_for, write_run
+from tests.storage.samples import finalize_run, plan_for, write_run
 
 pytestmark = pytest.mark.s3
 SEED = 20261202
@@ -37,7 +37,7 @@ def test_run_completes_through_faults_and_verifies(
         write_run(store, plan_for(120, 40), hidden=1024, quarantine=frozenset({7}))
         # ... and 20 small shards (single PUTs, many commit records).
         write_run(open_store(spec, "run-2"), plan_for(60, 3), hidden=64)
-        manifest = store.finalize({"model": "tiny"})
+        manifest = finalize_run(store, {"model": "tiny"})
         assert manifest is not None and manifest["samples"] == 119
         report = run_verify(f"s3://{s3_bucket}/faulty/run-1", output=spec)
         sampled = run_verify(f"s3://{s3_bucket}/faulty/run-2", sample_fraction=0.5, output=spec)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from hsx_extractor.keys import InvalidKeyError, RunLayout, parse_output_uri, split_run_uri, validate_prefix
+from hsx_extractor.storage.layout import (
+    InvalidKeyError,
+    RunLayout,
+    parse_output_uri,
+    split_run_uri,
+    validate_prefix,
+)
 
 
 def test_layout_is_deterministic() -> None:
@@ -19,7 +25,6 @@ def test_layout_is_deterministic() -> None:
     assert layout.manifest_key == "team/hsx/run-1/manifest.json"
     assert layout.shard_of_commit_key(layout.commit_key(123)) == 123
     assert layout.shard_of_commit_key("team/hsx/run-1/commits/other.json") is None
-    assert RunLayout("", "r").plan_key == "r/plan.json"
 
 
 @pytest.mark.parametrize(

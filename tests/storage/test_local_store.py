@@ -12,10 +12,11 @@ import torch
 
 from hsx_extractor.config import OutputSpec
 from hsx_extractor.reader import HiddenStatesDataset
-from hsx_extractor.shards import QuarantineEntry
-from hsx_extractor.store import PermanentStoreError, ShardConflictError, open_store, open_uri_lines
-from hsx_extractor.verify import run_verify
-from tests.storage.samples import plan_for, record, seq_len_of, write_run
+from hsx_extractor.storage.backends import PermanentStoreError, ShardConflictError
+from hsx_extractor.storage.shard_format import QuarantineEntry
+from hsx_extractor.storage.store import open_store, open_uri_lines
+from hsx_extractor.tools.verify import run_verify
+from tests.storage.samples import finalize_run, plan_for, record, seq_len_of, write_run
 
 
 def _store(root: Path, compression: str = "bf16-zstd"):  # type: ignore[no-untyped-def]
@@ -29,7 +30,7 @@ def test_full_run_round_trips_and_verifies(tmp_path: Path, compression: str) -> 
     commits = write_run(store, plan, quarantine=frozenset({3, 17}))
     assert store.committed_shards() == {0, 1, 2, 3, 4}
     assert sum(c.samples for c in commits) == 21 and sum(c.quarantined for c in commits) == 2
-    manifest = store.finalize({"model": "tiny", "captureLayers": [2, 4, 5], "tokenizerFingerprint": "ab" * 8})
+    manifest = finalize_run(store, {"model": "tiny", "captureLayers": [2, 4, 5], "tokenizerFingerprint": "ab" * 8})
     assert manifest is not None
     assert manifest["samples"] == 21 and manifest["quarantined"] == 2
     assert [q["index"] for q in manifest["quarantine"]] == [3, 17]
@@ -68,12 +69,12 @@ def test_resume_skips_committed_shards_and_each_sample_is_stored_once(tmp_path: 
     first.seal()
     half = store.open_shard(1, range(4, 8))  # the process dies while shard 1 is half built
     half.add(record(4, seq_len_of(4)))
-    assert store.finalize({}) is None
+    assert finalize_run(store, {}) is None
     resumed = _store(tmp_path)
     assert resumed.committed_shards() == {0}
     commits = write_run(resumed, plan)
     assert [c.shard_index for c in commits] == [1, 2]
-    assert resumed.finalize({}) is not None
+    assert finalize_run(resumed, {}) is not None
     report = run_verify(str(tmp_path / "run-1"))
     assert report.ok and report.samples == 12 and report.duplicates == 0, report.summary_text()
 
@@ -115,7 +116,7 @@ def test_killed_between_object_and_record_then_different_bytes_on_restart(tmp_pa
     assert {c.shard_index for c in commits} == {0, 1}
     assert commits[1].key != orphan.key
     assert run_verify(str(tmp_path / "run-1")).warnings  # the orphan is noticed before finalize
-    assert restarted.finalize({}) is not None
+    assert finalize_run(restarted, {}) is not None
     assert not (tmp_path / orphan.key).exists() and (tmp_path / commits[1].key).exists()
     report = run_verify(str(tmp_path / "run-1"))
     assert report.ok and not report.warnings and report.samples_checked == 4, report.summary_text()
@@ -142,14 +143,14 @@ def test_all_quarantined_shard_commits_empty(tmp_path: Path) -> None:
     store = _store(tmp_path)
     commits = write_run(store, plan_for(4, 2), quarantine=frozenset({2, 3}))
     assert (commits[1].samples, commits[1].quarantined) == (0, 2)
-    store.finalize({})
+    finalize_run(store, {})
     assert run_verify(str(tmp_path / "run-1")).ok
 
 
 def test_verify_and_reader_catch_a_flipped_bit(tmp_path: Path) -> None:
     store = _store(tmp_path)
     commits = write_run(store, plan_for(6, 3))
-    store.finalize({})
+    finalize_run(store, {})
     shard = tmp_path / commits[1].key
     header = store.read_header(commits[1].key)
     data = bytearray(shard.read_bytes())
@@ -169,7 +170,7 @@ def test_verify_and_reader_catch_a_flipped_bit(tmp_path: Path) -> None:
 def test_verify_catches_manifest_and_commit_disagreement(tmp_path: Path) -> None:
     store = _store(tmp_path)
     write_run(store, plan_for(4, 2))
-    store.finalize({})
+    finalize_run(store, {})
     path = tmp_path / "run-1" / "manifest.json"
     manifest = json.loads(path.read_text())
     manifest["samples"] = 5
@@ -218,7 +219,7 @@ def test_a_reused_spool_file_holds_only_the_new_shard(tmp_path: Path) -> None:
     second.add(record(2, 3))
     commit = second.seal()
     assert commit.bytes_stored < 3 * 64 * 4 * 2 + 4096  # none of shard 0's bytes ride along
-    store.finalize({})
+    finalize_run(store, {})
     report = run_verify(str(tmp_path / "run-1"))
     assert report.ok and report.samples_checked == 3, report.summary_text()
     late = store.open_shard(1, range(2, 3))

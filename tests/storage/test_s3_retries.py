@@ -6,7 +6,8 @@ import botocore.exceptions
 import pytest
 
 from hsx_extractor.config import OutputSpec
-from hsx_extractor.s3store import (
+from hsx_extractor.storage.backends import PermanentStoreError, TransientStoreError
+from hsx_extractor.storage.s3_client import (
     CONFLICT,
     NO_UPLOAD,
     NOT_FOUND,
@@ -17,8 +18,8 @@ from hsx_extractor.s3store import (
     S3TransferConfig,
     classify,
 )
-from hsx_extractor.store import PermanentStoreError, TransientStoreError, open_store
-from hsx_extractor.verify import run_verify
+from hsx_extractor.storage.store import open_store
+from hsx_extractor.tools.verify import run_verify
 from tests.ground.s3 import S3Server
 from tests.storage.faultproxy import FaultPlan, FaultProxy, Injection
 from tests.storage.samples import plan_for, write_run
@@ -166,13 +167,14 @@ def test_access_denied_mid_upload_fails_at_once_and_leaves_no_upload(
 @pytest.mark.s3
 def test_a_read_timeout_is_retried(s3_env: S3Server, s3_bucket: str) -> None:
     """The first GET answers later than the client's read timeout; the retry succeeds."""
-    from hsx_extractor.s3store import S3Backend, make_client
+    from hsx_extractor.storage.s3 import S3Backend
+    from hsx_extractor.storage.s3_client import S3Endpoint, make_client
 
     s3_env.client().put_object(Bucket=s3_bucket, Key="k/obj", Body=b"payload")
     slow_get = Injection("GET", "k/obj", times=1, delay_seconds=2.0)
     with FaultProxy(s3_env.endpoint, FaultPlan(seed=0, rate=0.0, injections=[slow_get])) as proxy:
         config = S3TransferConfig(read_timeout=0.5, backoff_base=0.01)
         spec = _spec(proxy.endpoint, s3_bucket)
-        backend = S3Backend(make_client(spec, config), s3_bucket, config, "k")
+        backend = S3Backend(make_client(S3Endpoint.of(spec), config), s3_bucket, config, "k")
         assert backend.get("k/obj") == b"payload"
         assert slow_get.times == 0 and backend.retrier.retries == 1

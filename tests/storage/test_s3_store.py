@@ -15,20 +15,17 @@ from typing import Any
 import pytest
 
 from hsx_extractor.config import OutputSpec
-from hsx_extractor.keys import InvalidKeyError
 from hsx_extractor.reader import HiddenStatesDataset
-from hsx_extractor.s3store import MultipartUploader, S3Backend
-from hsx_extractor.store import (
-    PermanentStoreError,
-    ShardConflictError,
-    SpooledObject,
-    open_store,
-    open_uri_lines,
-)
-from hsx_extractor.verify import run_verify
+from hsx_extractor.storage.backends import PermanentStoreError, ShardConflictError
+from hsx_extractor.storage.layout import InvalidKeyError
+from hsx_extractor.storage.s3 import MultipartUploader, S3Backend
+from hsx_extractor.storage.s3_client import S3Endpoint
+from hsx_extractor.storage.spool import SpooledObject
+from hsx_extractor.storage.store import open_store, open_uri_lines
+from hsx_extractor.tools.verify import run_verify
 from tests.ground.s3 import S3Server
 from tests.storage.faultproxy import FaultPlan, FaultProxy
-from tests.storage.samples import assert_same, plan_for, record, seq_len_of, write_run
+from tests.storage.samples import assert_same, finalize_run, plan_for, record, seq_len_of, write_run
 
 pytestmark = pytest.mark.s3
 REPO = Path(__file__).resolve().parents[2]
@@ -75,7 +72,7 @@ def test_round_trip_of_every_tensor_is_byte_exact(s3_env: S3Server, s3_bucket: s
     spec = _spec(s3_env, s3_bucket, compression=compression)
     store = open_store(spec, "run-1")
     write_run(store, plan_for(14, 5), hidden=256, quarantine=frozenset({6}))
-    manifest = store.finalize({"model": "tiny"})
+    manifest = finalize_run(store, {"model": "tiny"})
     assert manifest is not None and manifest["samples"] == 13
     run_uri = f"s3://{s3_bucket}/team/out/run-1"
     report = run_verify(run_uri, output=spec)
@@ -218,7 +215,7 @@ def test_writer_killed_mid_upload_then_restarted(s3_env: S3Server, s3_bucket: st
     store = open_store(spec, "killed")
     before = store.committed_shards()
     write_run(store, plan_for(90, 30), hidden=1024)
-    assert store.finalize({}) is not None
+    assert finalize_run(store, {}) is not None
     assert _uploads(s3_env, s3_bucket) == []
     indices = [i for k in sorted(store.committed_shards()) for i in store.get_commit(k).sample_indices]  # type: ignore[union-attr]
     assert indices == list(range(90))
@@ -260,10 +257,10 @@ def test_dataset_lines_from_s3(s3_env: S3Server, s3_bucket: str) -> None:
     )
     s3_env.client().put_object(Bucket=s3_bucket, Key="data/train.jsonl", Body=rows + b'{"id": "last"}')
     spec = _spec(s3_env, s3_bucket)
-    lines = list(open_uri_lines(f"s3://{s3_bucket}/data/train.jsonl", spec))
+    lines = list(open_uri_lines(f"s3://{s3_bucket}/data/train.jsonl", S3Endpoint.of(spec)))
     assert b"".join(lines) == rows + b'{"id": "last"}' and len(lines) == 6
     with pytest.raises(PermanentStoreError):
-        list(open_uri_lines(f"s3://{s3_bucket}/data/missing.jsonl", spec))
+        list(open_uri_lines(f"s3://{s3_bucket}/data/missing.jsonl", S3Endpoint.of(spec)))
 
 
 def test_reader_in_dataloader_workers(s3_env: S3Server, s3_bucket: str) -> None:
@@ -275,7 +272,7 @@ def test_reader_in_dataloader_workers(s3_env: S3Server, s3_bucket: str) -> None:
     spec = _spec(s3_env, s3_bucket)
     store = open_store(spec, "loader")
     write_run(store, plan_for(10, 4), hidden=32)
-    store.finalize({})
+    finalize_run(store, {})
     dataset = HiddenStatesDataset(f"s3://{s3_bucket}/team/out/loader", output=spec)
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2)
     lengths = [item["input_ids"].shape[0] for item in loader]

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from hsx_extractor.shards import (
+from hsx_extractor.storage.shard_format import (
     SampleRecord,
     ShardFormatError,
     decode_sample,

@@ -11,7 +11,7 @@ import json
 import sys
 
 from hsx_extractor.config import OutputSpec
-from hsx_extractor.store import open_store
+from hsx_extractor.storage.store import open_store
 from tests.storage.samples import plan_for, write_run
 
 BIG_HIDDEN = 1024  # ~7 MB per sample: a shard spans several 5 MiB parts

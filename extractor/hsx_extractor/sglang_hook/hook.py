@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hsx_extractor import layers, protocol
+from hsx_extractor import model, protocol
 from hsx_extractor.sglang_hook.launch import SGLANG_VERSION
 from hsx_extractor.sglang_hook.writer import DumpJob, ErrorJob, Staged, stage
 
@@ -281,7 +281,7 @@ def resolve_capture_info(processor: Any, layer_ids: list[int] | None) -> Capture
     num_layers = int(config.hf_text_config.num_hidden_layers)
     computed: list[int] | None
     try:
-        computed = layers.capture_layers(architecture, num_layers, layer_ids)
+        computed = model.capture_layers(architecture, num_layers, layer_ids)
     except ValueError as exc:
         computed = None
         log.warning("hsx: %s", exc)
@@ -293,7 +293,7 @@ def resolve_capture_info(processor: Any, layer_ids: list[int] | None) -> Capture
         actual = sorted(set(actual))
         if computed is not None and actual != computed:
             log.warning(
-                "hsx: the model captures layer inputs %s, hsx_extractor.layers says %s for %s; "
+                "hsx: the model captures layer inputs %s, hsx_extractor.model says %s for %s; "
                 "the dump records what the model captures",
                 actual,
                 computed,

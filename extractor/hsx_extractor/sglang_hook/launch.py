@@ -65,7 +65,7 @@ def server_args(
 ) -> list[str]:
     """The argv that starts SGLang in extraction mode.
 
-    ``layer_ids`` are SGLang's ``--return-aux-hidden-state-layer-ids`` (see hsx_extractor.layers for
+    ``layer_ids`` are SGLang's ``--return-aux-hidden-state-layer-ids`` (see hsx_extractor.model for
     which layers they capture); None keeps EAGLE-3's default layers. ``dp`` > 1 runs that many
     data-parallel replicas (each scheduler's attention-TP rank 0 dumps its own requests; total
     GPUs = tp x dp). ``extra_args`` are appended

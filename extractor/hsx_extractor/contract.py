@@ -1,0 +1,81 @@
+"""What the operator and the extractor agree on: exit codes and the progress report.
+
+The extractor writes a :class:`ProgressReport` (GET /progress, and once more as the container's
+termination message when it ends); the operator reads the same model. Nothing here imports
+numpy, aiohttp or anything of a run, so the operator image can import it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Exit codes of `hsx extract`; the operator's podFailurePolicy reads them.
+EXIT_OK = 0
+# Worth retrying: server died, S3 flaked past retries, pod evicted.
+EXIT_TRANSIENT = 1
+# Retrying cannot help: invalid config, tokenizer mismatch, mismatch gate tripped, S3 access denied.
+EXIT_PERMANENT = 3
+
+# The dataset's own S3 credentials (dataset.credentialsSecret) reach the extractor under these
+# names, so they never mix with the output's AWS_* chain.
+DATASET_CREDENTIALS_ENV = (
+    "HSX_DATASET_AWS_ACCESS_KEY_ID",
+    "HSX_DATASET_AWS_SECRET_ACCESS_KEY",
+    "HSX_DATASET_AWS_SESSION_TOKEN",
+)
+
+ExtractorState = Literal["starting", "running", "succeeded", "failed"]
+# Kubernetes keeps at most this many bytes of a termination message.
+TERMINATION_MESSAGE_LIMIT = 4096
+
+
+class ProgressReport(BaseModel):
+    """One extractor's progress: the body of GET /progress and of the termination message.
+
+    Counts cover this replica's shards; samples of shards committed before a restart count as done.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    samplesTotal: int = 0
+    # Finished samples: written to a shard or quarantined (samplesQuarantined of them).
+    samplesDone: int = 0
+    samplesQuarantined: int = 0
+    tokensDone: int = 0
+    samplesPerSecond: float = 0.0
+    tokensPerSecond: float = 0.0
+    etaSeconds: float | None = None
+    bytesCommitted: int = 0
+    shardsCommitted: int = 0
+    shardsTotal: int = 0
+    requestsInFlight: int = 0
+    lastError: str | None = None
+    state: ExtractorState = "starting"
+    runId: str = ""
+    replicaIndex: int = 0
+    quarantinedByReason: dict[str, int] = Field(default_factory=dict)
+
+    def termination_message(self, limit: int = TERMINATION_MESSAGE_LIMIT) -> str:
+        """Compact JSON within ``limit`` bytes: per-reason counts and a long error are cut first."""
+        text = self.model_dump_json()
+        if len(text.encode()) <= limit:
+            return text
+        cut = self.model_copy(
+            update={"quarantinedByReason": {}, "lastError": (self.lastError or "")[:1024] or self.lastError}
+        )
+        return cut.model_dump_json(exclude={"quarantinedByReason"})
+
+
+# The counters an operator copies from a report into its status (names as in ProgressReport).
+PROGRESS_COUNTERS = (
+    "samplesTotal",
+    "samplesDone",
+    "samplesQuarantined",
+    "tokensDone",
+    "bytesCommitted",
+    "shardsCommitted",
+    "shardsTotal",
+)
+PROGRESS_RATES = ("samplesPerSecond", "tokensPerSecond")

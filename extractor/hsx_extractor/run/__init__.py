@@ -1,0 +1,1 @@
+"""What `hsx extract` runs: dataset -> tokens -> server -> dumps by rid -> validated samples -> shards."""

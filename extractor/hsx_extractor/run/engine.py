@@ -1,0 +1,287 @@
+"""The concurrent part of a run: send samples, collect each one's dump by rid, validate, fill
+and seal shards. At most ``concurrency`` requests are at the server and twice that many samples
+are between reading and their shard; tokenizing runs in a thread, store I/O in its own threads."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from hsx_extractor.config import ExtractConfig
+from hsx_extractor.model import ModelShape
+from hsx_extractor.protocol import dump_bytes_bound, make_rid
+from hsx_extractor.reasons import Reason
+from hsx_extractor.run import collect
+from hsx_extractor.run.collect import Collector
+from hsx_extractor.run.dataset import DatasetError, Prepared, Rejected
+from hsx_extractor.run.failures import RunFailed, describe_failure, permanent
+from hsx_extractor.run.progress import Progress
+from hsx_extractor.run.server_client import RequestRejected, ServerClient
+from hsx_extractor.run.validate import Mismatch, MismatchGate
+from hsx_extractor.storage.backends import StoreError
+from hsx_extractor.storage.shard_format import QuarantineEntry, SampleRecord, ShardCommit
+from hsx_extractor.storage.store import ShardBuilder, Store
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What the engine needs of its run; the run owns these and outlives the engine."""
+
+    cfg: ExtractConfig
+    progress: Progress
+    gate: MismatchGate
+    # Dumps named with this prefix belong to this replica (an earlier process's are stale).
+    rid_prefix: str
+    # This process's own key: every rid it sends starts with it.
+    run_key: str
+    store_thread: ThreadPoolExecutor
+    seal_threads: ThreadPoolExecutor
+
+
+@dataclass
+class ShardState:
+    index: int
+    indices: range
+    remaining: int
+    builder: ShardBuilder | None = None
+
+
+class ShardWorker:
+    """The concurrent part: sends samples, collects their dumps, fills and seals shards."""
+
+    def __init__(
+        self,
+        ctx: EngineContext,
+        store: Store,
+        client: ServerClient,
+        shape: ModelShape,
+        shards: dict[int, ShardState],
+        shard_of: dict[int, int],
+    ) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.progress = ctx.progress
+        self.store = store
+        self.client = client
+        self.shape = shape
+        self.shards = shards
+        self.shard_of = shard_of
+        self.collector = Collector(
+            self.cfg.dumpDir, stale_prefix=f"hsx-{ctx.rid_prefix}-", own_prefix=f"hsx-{ctx.run_key}-"
+        )
+        self.commits: list[ShardCommit] = []
+        # Dump bytes expected for each request in flight (rid -> bytes), until its dump is gone.
+        self._reserved: dict[str, int] = {}
+        # Samples between read and shard; twice the requests in flight keeps the server fed.
+        self._active = asyncio.Semaphore(2 * self.cfg.concurrency)
+
+    async def run(self, reader: Callable[[Callable[[Prepared | Rejected], None]], None]) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Prepared | Rejected | None] = asyncio.Queue(maxsize=4 * self.cfg.concurrency)
+        stop = threading.Event()
+
+        def emit(item: Prepared | Rejected) -> None:
+            if stop.is_set():
+                raise _ReaderStopped
+            asyncio.run_coroutine_threadsafe(queue.put(item), loop).result()
+
+        def produce() -> None:
+            # Tokenizing is CPU work: it runs in this thread, never in the event loop.
+            try:
+                reader(emit)
+            except _ReaderStopped:
+                return
+            except (OSError, ValueError, StoreError) as exc:
+                raise DatasetError(f"reading the dataset {self.cfg.dataset.uri}: {exc}") from exc
+            finally:
+                if not stop.is_set():
+                    asyncio.run_coroutine_threadsafe(queue.put(None), loop).result()
+
+        reading = loop.run_in_executor(None, produce)
+        pending: set[asyncio.Task[None]] = set()
+        try:
+            async with asyncio.TaskGroup() as group:
+                sweeper = group.create_task(self._sweep_forever())
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, Rejected):
+                        entry = _quarantine(item.index, item.sample_id, item.reason, item.detail)
+                        task = group.create_task(self._resolve(item.index, entry))
+                    else:
+                        await self._active.acquire()
+                        task = group.create_task(self._sample(item))
+                        task.add_done_callback(lambda _: self._active.release())
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                await reading
+                while pending:
+                    await asyncio.wait(set(pending))
+                sweeper.cancel()
+        except* Exception as group_exc:
+            # The first error ends the run; failures.describe_failure decides its exit code.
+            first = _first(group_exc)
+            if isinstance(first, RunFailed):
+                raise first from None
+            message, code = describe_failure(first)
+            raise RunFailed(message, code) from first
+        finally:
+            stop.set()
+            while not queue.empty():  # unblock a reader waiting on a full queue
+                queue.get_nowait()
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            await asyncio.to_thread(self.collector.sweep)
+
+    async def _reserve(self, rid: str, nbytes: int) -> None:
+        """Wait until a dump of ``nbytes`` fits under dumpDirMaxBytes, counting the dumps of requests
+        in flight at their full size before they exist, then reserve its room.
+
+        Checking and reserving happen with no await between them, so concurrent senders cannot
+        overshoot the limit together. A sample bigger than the limit alone still goes once nothing
+        else of ours is in flight (it would wait forever otherwise) and is reported.
+        """
+        limit = self.cfg.dumpDirMaxBytes
+        waited_since: float | None = None
+        while True:
+            on_disk = collect.waiting_bytes(self.cfg.dumpDir, exclude_rids=self._reserved)
+            held = on_disk + sum(self._reserved.values())
+            oversized_alone = nbytes > limit and held == 0
+            if held + nbytes <= limit or oversized_alone:
+                if oversized_alone:
+                    self.progress.last_error = f"back-pressure: one dump of {nbytes} bytes exceeds dumpDirMaxBytes {limit}; sent alone"
+                self._reserved[rid] = nbytes
+                return
+            waited_since = waited_since or time.monotonic()
+            if time.monotonic() - waited_since > 10:
+                self.progress.last_error = (
+                    f"back-pressure: {held} bytes of dumps waiting or expected > dumpDirMaxBytes {limit}"
+                )
+            await asyncio.sleep(0.02)
+
+    async def _sample(self, sample: Prepared) -> None:
+        v = self.cfg.validation
+        ids = sample.input_ids.tolist()
+        outcome: Mismatch | None = None
+        dump_bytes = dump_bytes_bound(len(ids), self.shape.hidden_size, len(self.shape.capture_layers))
+        for attempt in range(v.maxRetries + 1):
+            rid = make_rid(self.ctx.run_key, sample.index, attempt)
+            await self._reserve(rid, dump_bytes)
+            try:
+                outcome = await self._attempt(sample, ids, rid, attempt)
+            finally:
+                # Its dump is in the shard, removed, or abandoned (swept when it lands).
+                self._reserved.pop(rid, None)
+            if outcome is None:
+                self.gate.record(False)
+                return
+            if outcome.reason != Reason.NO_DUMP:
+                break
+        assert outcome is not None
+        self.gate.record(True)
+        self.progress.last_error = f"sample {sample.index}: {outcome.reason}: {outcome.detail}"
+        if v.onMismatch == "fail":
+            raise permanent(
+                f"validation.onMismatch=fail: sample {sample.index} ({sample.sample_id}): "
+                f"{outcome.reason}: {outcome.detail}"
+            )
+        await self._resolve(
+            sample.index, _quarantine(sample.index, sample.sample_id, outcome.reason, outcome.detail)
+        )
+        verdict = self.gate.verdict()
+        if verdict:
+            raise permanent(verdict)
+
+    async def _attempt(self, sample: Prepared, ids: list[int], rid: str, attempt: int) -> Mismatch | None:
+        """One request for ``sample``: None once its record is in its shard, else why not."""
+        v = self.cfg.validation
+        try:
+            await self.client.generate(ids, rid)
+        except RequestRejected as exc:
+            return Mismatch(Reason.SERVER_ERROR, f"rid {rid}: {exc}")
+        arrival = await self.collector.wait(rid, v.dumpTimeoutSeconds)
+        if arrival is None:
+            self.collector.abandon(rid)
+            return Mismatch(
+                Reason.NO_DUMP, f"no dump for {rid} within {v.dumpTimeoutSeconds:g}s ({attempt + 1} attempts)"
+            )
+        checked = await asyncio.to_thread(
+            collect.check_collected,
+            arrival,
+            rid,
+            sample.input_ids,
+            self.shape.hidden_size,
+            len(self.shape.capture_layers),
+            self.shape.capture_layers,
+        )
+        if isinstance(checked, Mismatch):
+            collect.remove(self.cfg.dumpDir, rid)
+            return checked
+        record = SampleRecord(
+            sample.index,
+            sample.sample_id,
+            sample.input_ids,
+            sample.loss_mask,
+            checked.aux_hidden_states,
+            checked.hidden_states,
+        )
+        await self._resolve(sample.index, record, rid)
+        return None
+
+    @property
+    def gate(self) -> MismatchGate:
+        return self.ctx.gate
+
+    async def _resolve(
+        self, index: int, item: SampleRecord | QuarantineEntry, rid: str | None = None
+    ) -> None:
+        """Hand one row's result to its shard (in the store thread); seal the shard when it is full."""
+        loop = asyncio.get_running_loop()
+        shard = self.shards[self.shard_of[index]]
+        full = await loop.run_in_executor(self.ctx.store_thread, self._add, shard, item, rid)
+        if isinstance(item, SampleRecord):
+            self.progress.sample_done(item.seq_len)
+        else:
+            self.progress.sample_quarantined(item.reason)
+        if full:
+            assert shard.builder is not None
+            commit = await loop.run_in_executor(self.ctx.seal_threads, shard.builder.seal)
+            self.commits.append(commit)
+            self.progress.shard_committed(commit.bytes_stored)
+
+    def _add(self, shard: ShardState, item: SampleRecord | QuarantineEntry, rid: str | None) -> bool:
+        if shard.builder is None:
+            shard.builder = self.store.open_shard(shard.index, shard.indices)
+        if isinstance(item, SampleRecord):
+            shard.builder.add(item)
+        else:
+            shard.builder.quarantine(item)
+        if rid is not None:
+            collect.remove(self.cfg.dumpDir, rid)  # in the shard's spool now; free the shm
+        shard.remaining -= 1
+        return shard.remaining == 0
+
+    def abort_open(self) -> None:
+        for shard in self.shards.values():
+            if shard.builder is not None and shard.builder.result is None:
+                shard.builder.abort()
+
+
+class _ReaderStopped(Exception):
+    """Tells the reader thread that the run ended without it."""
+
+
+def _quarantine(index: int, sample_id: str | None, reason: str, detail: str) -> QuarantineEntry:
+    return QuarantineEntry(index, sample_id, str(reason), detail)
+
+
+def _first(group: BaseExceptionGroup[Any]) -> BaseException:
+    exc = group.exceptions[0]
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc

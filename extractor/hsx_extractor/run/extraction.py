@@ -1,0 +1,270 @@
+"""One extraction run: dataset -> tokens -> server -> dumps by rid -> validated samples -> shards.
+
+Resume needs no local state: shards with a commit record are skipped, every other shard of this
+replica is redone from its first row, and a shard becomes visible only through its commit record,
+so a crash at any point (SIGKILL included) leaves each good sample in the output exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from hsx_extractor import __version__
+from hsx_extractor.config import ExtractConfig
+from hsx_extractor.model import ModelShape, check_vocab, model_shape
+from hsx_extractor.reasons import Reason
+from hsx_extractor.run import collect
+from hsx_extractor.run.dataset import (
+    Prepared,
+    Rejected,
+    dataset_endpoint,
+    iter_lines,
+    parse_row,
+    prepare,
+    read_samples,
+)
+from hsx_extractor.run.engine import EngineContext, ShardState, ShardWorker
+from hsx_extractor.run.failures import permanent
+from hsx_extractor.run.plan import PLAN_NAME, PlanMismatch, ShardPlan, build_plan, replica_shards
+from hsx_extractor.run.progress import Progress
+from hsx_extractor.run.server_client import ServerClient
+from hsx_extractor.run.tokens import ChatTokenizer, TokenizerError
+from hsx_extractor.run.validate import MismatchGate
+from hsx_extractor.storage.shard_format import ShardCommit
+from hsx_extractor.storage.store import Store, open_store
+
+SERVER_START_TIMEOUT_S = 600.0
+
+
+def replica_from_env(cfg: ExtractConfig) -> ExtractConfig:
+    """An indexed Job sets JOB_COMPLETION_INDEX; it is the replica index unless the config sets one."""
+    env = os.environ.get("JOB_COMPLETION_INDEX")
+    if env is not None and "replicaIndex" not in cfg.model_fields_set:
+        return cfg.model_copy(update={"replicaIndex": int(env)})
+    return cfg
+
+
+@dataclass
+class RunResult:
+    """What a finished run did (this process only, plus the manifest if it wrote the last shard)."""
+
+    run_id: str
+    output: str
+    fingerprint: str
+    shards_done: list[int]
+    commits: list[ShardCommit] = field(default_factory=list)
+    manifest: dict[str, Any] | None = None
+
+
+class Extraction:
+    def __init__(self, cfg: ExtractConfig, progress: Progress | None = None) -> None:
+        self.cfg = replica_from_env(cfg)
+        self.progress = progress or Progress(self.cfg.runId, self.cfg.replicaIndex)
+        self.gate = MismatchGate(
+            cfg.validation.maxMismatchRate, cfg.validation.gateWindow, cfg.validation.gateMinSamples
+        )
+        # A fresh key per process: a restarted extractor never reuses a rid the server has seen.
+        self.rid_prefix = f"{cfg.runId}-r{self.cfg.replicaIndex}"
+        self.run_key = f"{self.rid_prefix}-{os.urandom(3).hex()}"
+        self.store_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsx-store")
+        self.seal_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hsx-seal")
+
+    # ---- start: tokenizer, server, store, plan ----------------------------------------------
+    def open_tokenizer(self) -> ChatTokenizer:
+        cfg = self.cfg
+        tokenizer_dir = cfg.dataset.tokenizer or cfg.modelPath
+        if not tokenizer_dir:
+            raise permanent("set modelPath or dataset.tokenizer: hsx tokenizes with the model's tokenizer")
+        try:
+            tok = ChatTokenizer(tokenizer_dir, cfg.dataset.chatTemplate)
+            if cfg.dataset.format == "messages":
+                tok.require_generation_template()
+        except TokenizerError as exc:
+            raise permanent(str(exc)) from exc
+        expected = cfg.dataset.expectedTokenizerFingerprint
+        if expected and tok.fingerprint != expected:
+            raise permanent(
+                f"tokenizer fingerprint mismatch: the dataset was prepared with {expected}, "
+                f"the tokenizer in {tokenizer_dir} is {tok.fingerprint}"
+            )
+        return tok
+
+    def plan_identity(self, tok: ChatTokenizer, shape: ModelShape) -> dict[str, Any]:
+        d = self.cfg.dataset
+        return {
+            "dataset": d.uri,
+            "format": d.format,
+            "limit": d.limit,
+            "maxLength": d.maxLength,
+            "tokenizerFingerprint": tok.fingerprint,
+            "shardTargetBytes": self.cfg.output.shardTargetBytes,
+            "hiddenSize": shape.hidden_size,
+            "captureLayers": list(shape.capture_layers),
+        }
+
+    def compute_plan(self, tok: ChatTokenizer, shape: ModelShape) -> ShardPlan:
+        """Pre-pass over the whole dataset: lengths and ids only, nothing is kept."""
+        d = self.cfg.dataset
+        lengths: list[int | None] = []
+        ids: list[str | None] = []
+        for item in read_samples(iter_lines(d.uri, dataset_endpoint(self.cfg)), tok, d.maxLength, d.format, d.limit):
+            accepted = isinstance(item, Prepared)
+            lengths.append(item.length if isinstance(item, Prepared) else None)
+            ids.append(item.sample_id if accepted else None)
+        if not lengths:
+            raise permanent(f"dataset {d.uri} has no rows")
+        return build_plan(
+            self.plan_identity(tok, shape),
+            lengths,
+            ids,
+            len(shape.capture_layers),
+            shape.hidden_size,
+            self.cfg.output.shardTargetBytes,
+        )
+
+    async def load_plan(self, store: Store, tok: ChatTokenizer, shape: ModelShape) -> ShardPlan:
+        identity = self.plan_identity(tok, shape)
+        stored = await asyncio.to_thread(store.get_json, PLAN_NAME)
+        if stored is None:
+            plan = await asyncio.to_thread(self.compute_plan, tok, shape)
+            stored = await asyncio.to_thread(store.put_json_if_absent, PLAN_NAME, plan.to_json())
+        try:
+            plan = ShardPlan.from_json(stored)
+            plan.check_identity(identity)
+        except (PlanMismatch, KeyError, TypeError, ValueError) as exc:
+            raise permanent(f"{store.description}/{PLAN_NAME}: {exc}") from exc
+        return plan
+
+    # ---- the run -------------------------------------------------------------------------------
+    async def run(self) -> RunResult:
+        cfg = self.cfg
+        tok = await asyncio.to_thread(self.open_tokenizer)
+        try:
+            store = await asyncio.to_thread(open_store, cfg.output, cfg.runId)
+        except ValueError as exc:
+            raise permanent(f"output {cfg.output.uri}: {exc}") from exc
+        try:
+            return await self._run_with(store, tok)
+        finally:
+            store.close()
+
+    async def _run_with(self, store: Store, tok: ChatTokenizer) -> RunResult:
+        cfg = self.cfg
+        Path(cfg.dumpDir).mkdir(parents=True, exist_ok=True)
+        stale = collect.remove_with_prefix(cfg.dumpDir, f"hsx-{self.rid_prefix}-")
+        if stale:
+            print(f"hsx: removed {stale} dumps left by an earlier process of this replica", flush=True)
+        connector = aiohttp.TCPConnector(limit=cfg.concurrency + 4)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            client = ServerClient(cfg.serverUrl, session, cfg.concurrency)
+            self.progress.watch_in_flight(lambda: client.in_flight)
+            await client.wait_healthy(SERVER_START_TIMEOUT_S)
+            shape = model_shape(await client.model_info(), cfg.modelPath, cfg.auxLayerIds)
+            check_vocab(shape, tok.vocab_size, cfg.modelPath)
+            plan = await self.load_plan(store, tok, shape)
+            mine = replica_shards(len(plan.shards), cfg.replicaIndex, cfg.replicaCount)
+            committed = await asyncio.to_thread(store.committed_shards)
+            todo = [k for k in mine if k not in committed]
+            await self._count_resumed(store, plan, [k for k in mine if k in committed], len(mine))
+            self.progress.mark_running()
+            commits = await self._extract(store, client, tok, shape, plan, todo) if todo else []
+        manifest = await asyncio.to_thread(store.finalize, plan.planned(), self.run_info(tok, shape, plan))
+        self.progress.mark_succeeded()
+        return RunResult(cfg.runId, store.description, tok.fingerprint, todo, commits, manifest)
+
+    async def _count_resumed(self, store: Store, plan: ShardPlan, done: list[int], mine: int) -> None:
+        p = self.progress
+        p.shards_total = mine
+        p.samples_total = sum(
+            len(plan.shard_range(k))
+            for k in replica_shards(len(plan.shards), self.cfg.replicaIndex, self.cfg.replicaCount)
+        )
+        for k in done:
+            commit = await asyncio.to_thread(store.get_commit, k)
+            n = len(plan.shard_range(k))
+            p.samples_done += n
+            p.samples_resumed += n
+            p.shards_committed += 1
+            if commit is not None:
+                p.bytes_committed += commit.bytes_stored
+                for q in commit.quarantine:
+                    p.quarantined[q.reason] += 1
+
+    def run_info(self, tok: ChatTokenizer, shape: ModelShape, plan: ShardPlan) -> dict[str, Any]:
+        return {
+            "hsxVersion": __version__,
+            "tokenizerFingerprint": tok.fingerprint,
+            "model": shape.model_path,
+            "architecture": shape.architecture,
+            "hiddenSize": shape.hidden_size,
+            "captureLayers": list(shape.capture_layers),
+            "dataset": self.cfg.dataset.uri,
+            "rows": plan.rows,
+            "maxLength": self.cfg.dataset.maxLength,
+            "replicaCount": self.cfg.replicaCount,
+        }
+
+    async def _extract(
+        self,
+        store: Store,
+        client: ServerClient,
+        tok: ChatTokenizer,
+        shape: ModelShape,
+        plan: ShardPlan,
+        todo: list[int],
+    ) -> list[ShardCommit]:
+        shards = {k: ShardState(k, plan.shard_range(k), len(plan.shard_range(k))) for k in todo}
+        shard_of = {i: k for k in todo for i in plan.shard_range(k)}
+        ctx = EngineContext(
+            self.cfg,
+            self.progress,
+            self.gate,
+            self.rid_prefix,
+            self.run_key,
+            self.store_thread,
+            self.seal_threads,
+        )
+        worker = ShardWorker(ctx, store, client, shape, shards, shard_of)
+        try:
+            await worker.run(self._reader(tok, plan, shard_of))
+        except BaseException:
+            await asyncio.to_thread(worker.abort_open)
+            raise
+        finally:
+            self.store_thread.shutdown(wait=False)
+            self.seal_threads.shutdown(wait=False)
+        unfinished = sorted(k for k, s in shards.items() if s.remaining)
+        if unfinished:
+            raise permanent(
+                f"the dataset ended before shards {unfinished[:5]} were complete: it has fewer rows than "
+                f"plan.json ({plan.rows}); was it changed since the plan was made?"
+            )
+        return worker.commits
+
+    def _reader(
+        self, tok: ChatTokenizer, plan: ShardPlan, shard_of: dict[int, int]
+    ) -> Callable[[Callable[[Prepared | Rejected], None]], None]:
+        d = self.cfg.dataset
+
+        def read(emit: Callable[[Prepared | Rejected], None]) -> None:
+            for index, raw in enumerate(iter_lines(d.uri, dataset_endpoint(self.cfg))):
+                if index >= plan.rows:
+                    return
+                if index not in shard_of:
+                    continue
+                row = parse_row(index, raw, d.format)
+                item = row if isinstance(row, Rejected) else prepare(row, tok, d.maxLength)
+                if isinstance(item, Prepared) and index in plan.duplicates:
+                    detail = f"id {item.sample_id!r} is used by an earlier row"
+                    item = Rejected(index, item.sample_id, Reason.DUPLICATE_ID, detail)
+                emit(item)
+
+        return read

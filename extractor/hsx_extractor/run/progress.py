@@ -1,0 +1,211 @@
+"""Progress: the run's counters in one place, served as GET /progress (JSON) and GET /metrics
+(Prometheus), logged as one unbuffered line per interval, and drawn as a bar on a TTY."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import Counter as PromCounter
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from hsx_extractor.contract import ExtractorState, ProgressReport
+
+
+@dataclass
+class Progress:
+    """Counters of one extractor process. Samples of shards committed before a restart count as
+    done (``samples_resumed``); rates and ETA use only what this process did."""
+
+    run_id: str
+    replica_index: int
+    state: ExtractorState = "starting"
+    samples_total: int = 0
+    samples_done: int = 0  # added to a shard or quarantined, resumed ones included
+    samples_resumed: int = 0
+    tokens_done: int = 0
+    bytes_committed: int = 0
+    shards_committed: int = 0
+    shards_total: int = 0
+    last_error: str | None = None
+    quarantined: Counter[str] = field(default_factory=Counter)
+    # Rates count from the first request (not from start-up) to the end of the run.
+    running_since: float | None = None
+    finished_at: float | None = None
+    _metrics: Metrics | None = None
+    _in_flight_probe: Callable[[], int] | None = None
+
+    def __post_init__(self) -> None:
+        self._metrics = Metrics()
+
+    @property
+    def metrics(self) -> Metrics:
+        assert self._metrics is not None
+        return self._metrics
+
+    # Updates: every change goes through these, so /metrics and /progress never disagree.
+    def sample_done(self, tokens: int) -> None:
+        self.samples_done += 1
+        self.tokens_done += tokens
+        self.metrics.samples.inc()
+        self.metrics.tokens.inc(tokens)
+
+    def sample_quarantined(self, reason: str) -> None:
+        self.samples_done += 1
+        self.quarantined[reason] += 1
+        self.metrics.quarantined.labels(reason=reason).inc()
+
+    def shard_committed(self, nbytes: int) -> None:
+        self.shards_committed += 1
+        self.bytes_committed += nbytes
+        self.metrics.shards.inc()
+        self.metrics.bytes.inc(nbytes)
+
+    def watch_in_flight(self, probe: Callable[[], int]) -> None:
+        """Read requests in flight from ``probe`` (the client's counter) whenever asked."""
+        self._in_flight_probe = probe
+        self.metrics.in_flight.set_function(lambda: float(probe()))
+
+    def mark_running(self) -> None:
+        self.state = "running"
+        self.running_since = time.monotonic()
+
+    def mark_succeeded(self) -> None:
+        self.state = "succeeded"
+        self.finished_at = time.monotonic()
+
+    def fail(self, message: str) -> None:
+        self.state = "failed"
+        self.finished_at = time.monotonic()
+        self.last_error = message
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds spent extracting (0 before the first request)."""
+        if self.running_since is None:
+            return 0.0
+        return (self.finished_at or time.monotonic()) - self.running_since
+
+    def report(self) -> ProgressReport:
+        elapsed = max(self.elapsed, 1e-9)
+        fresh = self.samples_done - self.samples_resumed
+        samples_rate = fresh / elapsed
+        remaining = max(self.samples_total - self.samples_done, 0)
+        eta = remaining / samples_rate if samples_rate > 0 else None
+        return ProgressReport(
+            samplesTotal=self.samples_total,
+            samplesDone=self.samples_done,
+            samplesQuarantined=sum(self.quarantined.values()),
+            tokensDone=self.tokens_done,
+            samplesPerSecond=round(samples_rate, 3),
+            tokensPerSecond=round(self.tokens_done / elapsed, 3),
+            etaSeconds=None if eta is None else round(eta, 1),
+            bytesCommitted=self.bytes_committed,
+            shardsCommitted=self.shards_committed,
+            shardsTotal=self.shards_total,
+            requestsInFlight=self._in_flight_probe() if self._in_flight_probe else 0,
+            lastError=self.last_error,
+            state=self.state,
+            runId=self.run_id,
+            replicaIndex=self.replica_index,
+            quarantinedByReason=dict(sorted(self.quarantined.items())),
+        )
+
+    def snapshot(self) -> dict[str, Any]:
+        """The report as GET /progress serves it."""
+        return self.report().model_dump()
+
+    def termination_message(self) -> str:
+        """The final report, as the operator reads it once the pod is gone."""
+        return self.report().termination_message()
+
+    def log_line(self) -> str:
+        s = self.snapshot()
+        eta = "-" if s["etaSeconds"] is None else f"{s['etaSeconds']:.0f}s"
+        return (
+            f"hsx progress state={s['state']} samples={s['samplesDone']}/{s['samplesTotal']} "
+            f"quarantined={s['samplesQuarantined']} tokens={s['tokensDone']} "
+            f"tok/s={s['tokensPerSecond']:.1f} shards={s['shardsCommitted']}/{s['shardsTotal']} "
+            f"bytes={s['bytesCommitted']} in_flight={s['requestsInFlight']} eta={eta}"
+        )
+
+
+class Metrics:
+    """Prometheus series, in a registry of their own (several runs may share a process in tests)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.samples = PromCounter("hsx_samples_done", "Samples written to a shard.", registry=r)
+        self.quarantined = PromCounter(
+            "hsx_samples_quarantined", "Samples quarantined, by reason.", ["reason"], registry=r
+        )
+        self.tokens = PromCounter("hsx_tokens_done", "Tokens of samples written to a shard.", registry=r)
+        self.bytes = PromCounter("hsx_bytes_committed", "Stored bytes of committed shards.", registry=r)
+        self.shards = PromCounter("hsx_shards_committed", "Shards committed by this process.", registry=r)
+        self.in_flight = Gauge("hsx_requests_in_flight", "Requests at the server now.", registry=r)
+
+
+def progress_app(progress: Progress) -> web.Application:
+    async def get_progress(_: web.Request) -> web.Response:
+        return web.json_response(progress.snapshot())
+
+    async def get_metrics(_: web.Request) -> web.Response:
+        body = generate_latest(progress.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/progress", get_progress)
+    app.router.add_get("/metrics", get_metrics)
+    return app
+
+
+async def start_progress_server(progress: Progress, host: str, port: int) -> web.AppRunner:
+    """Serve /progress and /metrics; the caller cleans up the runner."""
+    runner = web.AppRunner(progress_app(progress), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+def bound_port(runner: web.AppRunner) -> int:
+    """The port a runner listens on (for port 0: the one the OS chose)."""
+    for site in runner.sites:
+        server = getattr(site, "_server", None)
+        if server is not None and server.sockets:
+            return int(server.sockets[0].getsockname()[1])
+    raise RuntimeError("progress server is not listening")
+
+
+def _bar(progress: Progress, width: int = 30) -> str:
+    s = progress.snapshot()
+    total = max(s["samplesTotal"], 1)
+    filled = int(width * min(s["samplesDone"] / total, 1.0))
+    return (
+        f"\r[{'#' * filled}{'.' * (width - filled)}] {s['samplesDone']}/{s['samplesTotal']} "
+        f"q={s['samplesQuarantined']} {s['tokensPerSecond']:.0f} tok/s"
+    )
+
+
+async def report_loop(progress: Progress, interval: float, stream: TextIO | None = None) -> None:
+    """One flushed log line per interval; on a TTY also a bar refreshed a few times a second."""
+    stream = stream or sys.stderr
+    tty = stream.isatty()
+    next_line = time.monotonic() + interval
+    while True:
+        await asyncio.sleep(min(0.25, interval) if tty else interval)
+        if tty:
+            stream.write(_bar(progress))
+            stream.flush()
+        if not tty or time.monotonic() >= next_line:
+            if tty:
+                stream.write("\n")
+            print(progress.log_line(), file=stream, flush=True)
+            next_line = time.monotonic() + interval

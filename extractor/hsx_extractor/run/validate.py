@@ -1,0 +1,126 @@
+"""Is this dump the sample that was sent? Pure checks, and the mismatch-rate gate.
+
+A dump is accepted only whole: same ids as sent, one row per token in both tensors, every value
+finite. Anything else is a mismatch with its reason; nothing is truncated, padded or re-aligned.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from hsx_extractor.protocol import Dump
+from hsx_extractor.reasons import Reason
+
+# A bf16 value is Inf or NaN exactly when its 8 exponent bits are all ones.
+_BF16_EXPONENT = np.uint16(0x7F80)
+_CHUNK_VALUES = 1 << 16
+
+
+class DumpShapeError(RuntimeError):
+    """The server captures another hidden size or layer count than the run planned for (fatal)."""
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Why a dump cannot be this sample's."""
+
+    reason: Reason
+    detail: str
+
+
+def count_non_finite(bf16_bits: np.ndarray, chunk: int = _CHUNK_VALUES) -> int:
+    """Number of Inf/NaN values in an array of bf16 bit patterns."""
+    flat = bf16_bits.reshape(-1)
+    # Chunks with reused buffers stay in cache: ~15x faster than whole-array temporaries,
+    # which cost two passes over fresh memory as large as the dump (bench/b1_dataplane.py).
+    masked = np.empty(min(chunk, flat.size), dtype=np.uint16)
+    hits = np.empty(masked.size, dtype=bool)
+    count = 0
+    for start in range(0, flat.size, chunk):
+        part = flat[start : start + chunk]
+        m, h = masked[: part.size], hits[: part.size]
+        np.bitwise_and(part, _BF16_EXPONENT, out=m)
+        np.equal(m, _BF16_EXPONENT, out=h)
+        count += int(np.count_nonzero(h))
+    return count
+
+
+def check_dump(
+    rid: str,
+    sent_ids: np.ndarray,
+    dump: Dump,
+    hidden_size: int,
+    num_aux: int,
+    capture_layers: tuple[int, ...] | None = None,
+) -> Mismatch | None:
+    """None when ``dump`` is exactly the sample sent as ``rid``; otherwise the mismatch.
+
+    A dump of another shape, or of other layers than ``capture_layers`` (when given), raises
+    :class:`DumpShapeError`: that is a misconfigured server, not a bad sample."""
+    meta = dump.meta
+    layers_differ = capture_layers is not None and tuple(meta.capture_layers) != tuple(capture_layers)
+    if meta.hidden_size != hidden_size or meta.num_aux != num_aux or layers_differ:
+        raise DumpShapeError(
+            f"dump {rid}: hidden size {meta.hidden_size}, capture layers {list(meta.capture_layers)}; "
+            f"the run expects hidden size {hidden_size}, "
+            + (
+                f"capture layers {list(capture_layers)}"
+                if capture_layers is not None
+                else f"{num_aux} capture layers"
+            )
+            + " (from /get_model_info, else the model's config and EAGLE-3's default layers)"
+        )
+    if meta.rid != rid:
+        return Mismatch(Reason.ID_MISMATCH, f"file for {rid} holds the dump of {meta.rid}")
+    length = int(sent_ids.shape[0])
+    got = dump.input_ids
+    if got.shape[0] != length or not np.array_equal(got, sent_ids):
+        first = _first_difference(sent_ids, got)
+        return Mismatch(
+            Reason.ID_MISMATCH, f"sent {length} ids, server ran {got.shape[0]}; first difference at {first}"
+        )
+    rows = (dump.aux_hidden_states.shape[0], dump.hidden_states.shape[0])
+    if rows != (length, length):
+        return Mismatch(Reason.LENGTH_MISMATCH, f"{length} tokens but aux/final rows {rows[0]}/{rows[1]}")
+    bad = count_non_finite(dump.aux_hidden_states) + count_non_finite(dump.hidden_states)
+    if bad:
+        return Mismatch(Reason.NON_FINITE, f"{bad} Inf/NaN values")
+    return None
+
+
+def _first_difference(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.shape[0], b.shape[0])
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class MismatchGate:
+    """Trips when more than ``max_rate`` of the last ``window`` checked samples mismatched,
+    once at least ``min_samples`` were checked."""
+
+    def __init__(self, max_rate: float, window: int, min_samples: int) -> None:
+        self.max_rate = max_rate
+        self.min_samples = min_samples
+        self._recent: deque[bool] = deque(maxlen=window)
+        self.checked = 0
+
+    def record(self, mismatched: bool) -> None:
+        self._recent.append(mismatched)
+        self.checked += 1
+
+    def verdict(self) -> str | None:
+        """A message saying why the run must stop, or None."""
+        if self.checked < self.min_samples or not self._recent:
+            return None
+        bad = sum(self._recent)
+        rate = bad / len(self._recent)
+        if rate > self.max_rate:
+            return (
+                f"mismatch gate: {bad} of the last {len(self._recent)} samples mismatched "
+                f"({rate:.1%} > maxMismatchRate {self.max_rate:.1%}); the server's dumps do not match "
+                "what was sent (check --disable-radix-cache, --chunked-prefill-size -1 and the hook)"
+            )
+        return None

@@ -1,0 +1,157 @@
+"""Storage backends of the store: errors, the two protocols, and the local-directory backend.
+
+The S3 backend is in :mod:`hsx_extractor.storage.s3`. Keys are relative to the backend root and
+already validated (:mod:`hsx_extractor.storage.layout`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Protocol
+
+from hsx_extractor.contract import EXIT_PERMANENT, EXIT_TRANSIENT
+from hsx_extractor.storage.layout import InvalidKeyError
+
+
+class StoreError(Exception):
+    """Base of storage failures. ``exit_code`` is what ``hsx extract`` should exit with."""
+
+    exit_code = EXIT_TRANSIENT
+
+
+class TransientStoreError(StoreError):
+    """A retryable failure that persisted past the retry budget."""
+
+
+class PermanentStoreError(StoreError):
+    """Retrying cannot help: access denied, no such bucket, bad credentials, invalid key."""
+
+    exit_code = EXIT_PERMANENT
+
+
+class ShardConflictError(PermanentStoreError):
+    """A different object already holds this shard's key. It is never overwritten."""
+
+
+class ObjectSource(Protocol):
+    """Bytes of an object to upload, readable at any offset from several threads."""
+
+    @property
+    def size(self) -> int: ...
+
+    def read_at(self, offset: int, length: int) -> bytes | bytearray: ...
+
+
+class Backend(Protocol):
+    """What the commit protocol needs from a store. Keys are relative to the store root."""
+
+    description: str  # for messages: "s3://bucket" or a directory
+
+    def get(self, key: str) -> bytes | None: ...
+
+    def get_range(self, key: str, start: int, length: int) -> bytes: ...
+
+    def size(self, key: str) -> int | None: ...
+
+    def put_if_absent(self, key: str, data: bytes) -> bool: ...
+
+    def upload_if_absent(self, key: str, source: ObjectSource, metadata: dict[str, str]) -> bool: ...
+
+    def list_keys(self, prefix: str) -> Iterator[str]: ...
+
+    def iter_object(self, key: str, chunk_size: int) -> Iterator[bytes]: ...
+
+    def abort_uploads(self, prefix: str) -> int: ...
+
+    def delete(self, key: str) -> None: ...
+
+
+class LocalBackend:
+    """A directory as a store. Create-if-absent is ``link()`` of a complete temp file: atomic."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root).absolute()
+        self.description = str(self.root)
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if not path.is_relative_to(self.root.resolve()):
+            raise InvalidKeyError(f"key {key!r} escapes {self.root}")
+        return path
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        with open(self._path(key), "rb") as f:
+            f.seek(start)
+            return f.read(length)
+
+    def size(self, key: str) -> int | None:
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def _create(self, key: str, chunks: Iterable[bytes | bytearray]) -> bool:
+        final = self._path(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                return False
+            return True
+        finally:
+            os.unlink(tmp)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        return self._create(key, [data])
+
+    def upload_if_absent(self, key: str, source: ObjectSource, metadata: dict[str, str]) -> bool:
+        step = 8 << 20
+        return self._create(
+            key, (source.read_at(o, min(step, source.size - o)) for o in range(0, source.size, step))
+        )
+
+    def list_keys(self, prefix: str) -> Iterator[str]:
+        base = self._path(prefix.rstrip("/")) if prefix.rstrip("/") else self.root
+        if not base.is_dir():
+            return
+        for path in sorted(base.rglob("*")):
+            if path.is_file() and not path.name.startswith("."):
+                yield path.relative_to(self.root).as_posix()
+
+    def iter_object(self, key: str, chunk_size: int) -> Iterator[bytes]:
+        with open(self._path(key), "rb") as f:
+            while chunk := f.read(chunk_size):
+                yield chunk
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._path(key).unlink()
+
+    def abort_uploads(self, prefix: str) -> int:
+        # Temp files of writers killed mid-write; a live writer's temp file vanishes on link anyway.
+        path = self._path(prefix)
+        directory, stem = (path, "") if prefix.endswith("/") else (path.parent, path.name)
+        count = 0
+        if directory.is_dir():
+            for tmp in directory.glob(f".{stem}*.tmp"):
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+                    count += 1
+        return count

@@ -1,0 +1,333 @@
+"""S3 backend of the store: conditional writes and concurrent multipart uploads.
+
+Three separate pieces, s3transfer-style: :class:`~hsx_extractor.storage.s3_client.S3TransferConfig`
+(every knob, one object), :class:`~hsx_extractor.storage.s3_client.Retrier` (error classification
+and jittered backoff) and :class:`MultipartUploader` here (the transfer logic), all driving one
+boto3 client built by :func:`~hsx_extractor.storage.s3_client.make_client`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
+from functools import partial
+from typing import Any
+
+import botocore.config
+import botocore.exceptions
+
+from hsx_extractor.config import OutputSpec
+from hsx_extractor.storage.backends import ObjectSource, PermanentStoreError, TransientStoreError
+from hsx_extractor.storage.layout import InvalidKeyError, parse_output_uri, validate_prefix
+from hsx_extractor.storage.s3_client import (
+    CONFLICT,
+    NO_UPLOAD,
+    NOT_FOUND,
+    PRECONDITION,
+    Retrier,
+    RetryableConflict,
+    S3Endpoint,
+    S3TransferConfig,
+    classify,
+    make_client,
+)
+
+
+class _RestartUpload(Exception):
+    """The multipart upload must start over (409 or the upload vanished)."""
+
+
+MIN_PART_BYTES = 5 << 20  # S3's smallest part but the last
+
+
+def part_size_for(size: int, config: S3TransferConfig) -> int:
+    """At most ``config.part_size``, and small enough that one object alone keeps every
+    connection busy: the last shard of a run is uploaded with nothing else to overlap it."""
+    even_split = -(-size // config.concurrency)
+    return max(MIN_PART_BYTES, min(config.part_size, even_split))
+
+
+class MultipartUploader:
+    """Uploads objects if absent: concurrent checksummed parts, conditional completion.
+
+    Parts of every upload share one pool of ``config.concurrency`` connections, so shards
+    sealed at the same time split the bandwidth instead of multiplying the connections."""
+
+    def __init__(self, client: Any, bucket: str, config: S3TransferConfig, retrier: Retrier):
+        self._client = client
+        self._bucket = bucket
+        self._config = config
+        self._retrier = retrier
+        self._parts = ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="hsx-part")
+
+    def put_if_absent(
+        self, key: str, body: bytes | bytearray, metadata: dict[str, str] | None = None
+    ) -> bool:
+        """Single PUT with ``If-None-Match: *``. True if created, False if the key exists."""
+        extra = {"Metadata": metadata} if metadata else {}
+
+        def put() -> bool:
+            try:
+                self._client.put_object(
+                    Bucket=self._bucket,
+                    Key=key,
+                    Body=body,
+                    IfNoneMatch="*",
+                    ChecksumAlgorithm="CRC32",
+                    **extra,
+                )
+            except botocore.exceptions.ClientError as exc:
+                kind = classify(exc)
+                if kind == PRECONDITION:
+                    return False
+                if kind == CONFLICT:  # a concurrent write is landing: ask again
+                    raise RetryableConflict(str(exc)) from exc
+                raise
+            return True
+
+        return self._retrier.call("PutObject", key, put)
+
+    def upload_if_absent(self, key: str, source: ObjectSource, metadata: dict[str, str]) -> bool:
+        if source.size <= part_size_for(source.size, self._config):
+            return self.put_if_absent(key, source.read_at(0, source.size), metadata)
+        for _ in range(self._config.max_upload_restarts + 1):
+            try:
+                return self._upload_once(key, source, metadata)
+            except _RestartUpload:
+                continue
+        raise TransientStoreError(
+            f"multipart upload of s3://{self._bucket}/{key} kept conflicting "
+            f"({self._config.max_upload_restarts + 1} attempts)"
+        )
+
+    def _upload_once(self, key: str, source: ObjectSource, metadata: dict[str, str]) -> bool:
+        created = self._retrier.call(
+            "CreateMultipartUpload",
+            key,
+            lambda: self._client.create_multipart_upload(
+                Bucket=self._bucket, Key=key, Metadata=metadata, ChecksumAlgorithm="CRC32"
+            ),
+        )
+        upload_id = created["UploadId"]
+        try:
+            parts = self._upload_parts(key, upload_id, source)
+            outcome = self._complete(key, upload_id, parts)
+        except BaseException:
+            self._abort(key, upload_id)
+            raise
+        if outcome is None:  # the upload is gone: it may have completed before a lost response
+            if self._exists(key):
+                return False
+            raise _RestartUpload()
+        return outcome
+
+    def _upload_parts(self, key: str, upload_id: str, source: ObjectSource) -> list[dict[str, Any]]:
+        size = source.size
+        step = part_size_for(size, self._config)
+        offsets = list(range(0, size, step))
+
+        def upload(number: int, offset: int) -> dict[str, Any]:
+            def send() -> dict[str, Any]:
+                body = source.read_at(offset, min(step, size - offset))
+                return self._client.upload_part(  # type: ignore[no-any-return]
+                    Bucket=self._bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    Body=body,
+                    ChecksumAlgorithm="CRC32",
+                )
+
+            try:
+                resp = self._retrier.call("UploadPart", key, send, passthrough=(NO_UPLOAD,))
+            except botocore.exceptions.ClientError as exc:
+                raise _RestartUpload() from exc
+            return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32": resp["ChecksumCRC32"]}
+
+        futures = [self._parts.submit(upload, n + 1, off) for n, off in enumerate(offsets)]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            wait(futures)  # no part of this upload may still be running when it is aborted
+            raise
+
+    def _complete(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> bool | None:
+        """True: created. False: the key already existed (412). None: the upload is gone."""
+        try:
+            self._retrier.call(
+                "CompleteMultipartUpload",
+                key,
+                lambda: self._client.complete_multipart_upload(
+                    Bucket=self._bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                    IfNoneMatch="*",
+                ),
+                passthrough=(PRECONDITION, CONFLICT, NO_UPLOAD),
+            )
+        except botocore.exceptions.ClientError as exc:
+            kind = classify(exc)
+            if kind == PRECONDITION:
+                self._abort(key, upload_id)
+                return False
+            if kind == CONFLICT:
+                self._abort(key, upload_id)
+                raise _RestartUpload() from exc
+            return None
+        return True
+
+    def _exists(self, key: str) -> bool:
+        try:
+            self._retrier.call(
+                "HeadObject",
+                key,
+                lambda: self._client.head_object(Bucket=self._bucket, Key=key),
+                (NOT_FOUND,),
+            )
+        except botocore.exceptions.ClientError:
+            return False
+        return True
+
+    def _abort(self, key: str, upload_id: str) -> None:
+        try:
+            self._retrier.call(
+                "AbortMultipartUpload",
+                key,
+                lambda: self._client.abort_multipart_upload(Bucket=self._bucket, Key=key, UploadId=upload_id),
+                passthrough=(NO_UPLOAD, NOT_FOUND),
+            )
+        except Exception:  # best effort; the next restart of this shard aborts it again
+            pass
+
+
+class S3Backend:
+    """The store's :class:`~hsx_extractor.storage.store.Backend` on one bucket."""
+
+    def __init__(self, client: Any, bucket: str, config: S3TransferConfig, prefix: str = ""):
+        self.client = client
+        self.bucket = bucket
+        self.config = config
+        self.description = f"s3://{bucket}"
+        self.retrier = Retrier(config, bucket, prefix)
+        self.uploader = MultipartUploader(client, bucket, config, self.retrier)
+
+    @classmethod
+    def from_output(cls, bucket: str, output: OutputSpec) -> S3Backend:
+        config = S3TransferConfig.from_output(output)
+        prefix = parse_output_uri(output.uri).prefix if output.uri.startswith("s3://") else ""
+        return cls(make_client(S3Endpoint.of(output), config), bucket, config, prefix)
+
+    def preflight(self, prefix: str) -> None:
+        """Fail at once, naming the cause, when the bucket is missing or access is denied."""
+        self.retrier.call(
+            "ListObjectsV2",
+            prefix,
+            lambda: self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=1),
+        )
+
+    def get(self, key: str) -> bytes | None:
+        def fetch() -> bytes:
+            return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()  # type: ignore[no-any-return]
+
+        try:
+            return self.retrier.call("GetObject", key, fetch, passthrough=(NOT_FOUND,))
+        except botocore.exceptions.ClientError:
+            return None
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+
+        def fetch() -> bytes:
+            resp = self.client.get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}"
+            )
+            data: bytes = resp["Body"].read()
+            total = int(str(resp.get("ContentRange", "/0")).rsplit("/", 1)[-1] or 0)
+            if len(data) != min(length, max(total - start, 0)):
+                raise botocore.exceptions.IncompleteReadError(actual_bytes=len(data), expected_bytes=length)
+            return data
+
+        return self.retrier.call("GetObject", key, fetch)
+
+    def size(self, key: str) -> int | None:
+        try:
+            resp = self.retrier.call(
+                "HeadObject", key, lambda: self.client.head_object(Bucket=self.bucket, Key=key), (NOT_FOUND,)
+            )
+        except botocore.exceptions.ClientError:
+            return None
+        return int(resp["ContentLength"])
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        return self.uploader.put_if_absent(key, data)
+
+    def upload_if_absent(self, key: str, source: ObjectSource, metadata: dict[str, str]) -> bool:
+        if self.size(key) is not None:  # resume after a lost commit record: no need to re-upload to learn it
+            return False
+        return self.uploader.upload_if_absent(key, source, metadata)
+
+    def list_keys(self, prefix: str) -> Iterator[str]:
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self.retrier.call("ListObjectsV2", prefix, partial(self.client.list_objects_v2, **kwargs))
+            for obj in page.get("Contents", []):
+                yield obj["Key"]
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+
+    def list_uploads(self, prefix: str) -> list[tuple[str, str]]:
+        """(key, upload id) of unfinished multipart uploads under ``prefix``."""
+        found: list[tuple[str, str]] = []
+        markers: dict[str, str] = {}
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, **markers}
+            page = self.retrier.call(
+                "ListMultipartUploads", prefix, partial(self.client.list_multipart_uploads, **kwargs)
+            )
+            found += [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])]
+            if not page.get("IsTruncated"):
+                return found
+            markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
+    def abort_uploads(self, prefix: str) -> int:
+        uploads = self.list_uploads(prefix)
+        for key, upload_id in uploads:
+            self.uploader._abort(key, upload_id)
+        return len(uploads)
+
+    def delete(self, key: str) -> None:
+        self.retrier.call("DeleteObject", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=key))
+
+    def iter_object(self, key: str, chunk_size: int) -> Iterator[bytes]:
+        size = self.size(key)
+        if size is None:
+            raise PermanentStoreError(f"s3://{self.bucket}/{key} does not exist")
+        for offset in range(0, size, chunk_size):
+            yield self.get_range(key, offset, min(chunk_size, size - offset))
+
+    def iter_lines(self, key: str, chunk_size: int = 8 << 20) -> Iterator[bytes]:
+        """Lines of an object, read in ranged chunks (each retried on its own)."""
+        rest = b""
+        for chunk in self.iter_object(key, chunk_size):
+            lines = (rest + chunk).split(b"\n")
+            rest = lines.pop()
+            for line in lines:
+                yield line + b"\n"
+        if rest:
+            yield rest
+
+
+def split_object_uri(uri: str) -> tuple[str, str]:
+    """``s3://bucket/key`` -> (bucket, key), with the key validated like a prefix."""
+    location = parse_output_uri(uri)
+    if location.bucket is None or not location.prefix:
+        raise InvalidKeyError(f"{uri!r} does not name an object (s3://bucket/key)")
+    return location.bucket, validate_prefix(location.prefix)

@@ -1,0 +1,451 @@
+"""The shard format (docs/format.md): whole samples, one ranged read each, checksummed.
+
+A shard is a safetensors-framed object: an 8-byte little-endian header length, a JSON header,
+then the data section. Each sample's stored tensors are contiguous in the data section, padded
+to 8 bytes, so one ranged read of ``[data_start + offset, + length)`` fetches a whole sample.
+The header's ``__metadata__["hsx"]`` holds the hsx index (see :class:`SampleEntry`); the
+per-tensor safetensors entries describe the *stored* bytes, so an uncompressed shard is a
+valid safetensors file. Pure functions; no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+import xxhash
+
+from hsx_extractor.storage.compress import CODEC_RAW, CODECS, CodecError, decode_bf16_array, encode_bf16_parts
+
+FORMAT_VERSION: Final = "hsx-shard/1"
+COMMIT_VERSION: Final = "hsx-commit/1"
+MANIFEST_VERSION: Final = "hsx-manifest/1"
+# Output compression setting (OutputSpec.compression) -> codec for the hidden-state tensors.
+COMPRESSION_CODECS: Final = {"none": "raw", "bf16-zstd": "bf16-split-zstd"}
+
+INPUT_IDS: Final = "input_ids"
+LOSS_MASK: Final = "loss_mask"
+AUX: Final = "aux_hidden_states"
+FINAL: Final = "hidden_states"
+TENSOR_ORDER: Final = (INPUT_IDS, LOSS_MASK, AUX, FINAL)
+PAD: Final = "pad"
+ALIGN: Final = 8
+MAX_HEADER_BYTES: Final = 100_000_000  # safetensors' own limit
+_DTYPES: Final[dict[str, np.dtype[Any]]] = {
+    "I32": np.dtype("<i4"),
+    "U8": np.dtype("u1"),
+    "BF16": np.dtype("<u2"),
+}
+
+
+class ShardFormatError(ValueError):
+    """Stored bytes do not form a valid shard or sample (damage, truncation, bad checksum)."""
+
+
+def checksum(data: bytes | memoryview) -> str:
+    """xxh3-64 of ``data`` as 16 hex digits."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    """One extracted sample. bf16 tensors are uint16 arrays of their bits."""
+
+    index: int  # position in the dataset (the sample's identity in the run)
+    sample_id: str  # the dataset row's id
+    input_ids: np.ndarray  # int32 [L]
+    loss_mask: np.ndarray  # uint8 [L], 1 = assistant token
+    aux_hidden_states: np.ndarray  # uint16 (bf16 bits) [L, K*H]
+    hidden_states: np.ndarray  # uint16 (bf16 bits) [L, H]
+
+    def __post_init__(self) -> None:
+        check_sample(self)
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        return {
+            INPUT_IDS: self.input_ids,
+            LOSS_MASK: self.loss_mask,
+            AUX: self.aux_hidden_states,
+            FINAL: self.hidden_states,
+        }
+
+
+def check_sample(rec: SampleRecord) -> None:
+    """Raise ValueError unless dtypes and shapes agree with the format."""
+    expected = {INPUT_IDS: np.int32, LOSS_MASK: np.uint8, AUX: np.uint16, FINAL: np.uint16}
+    for name, array in rec.tensors().items():
+        if not isinstance(array, np.ndarray) or array.dtype != expected[name]:
+            got = getattr(array, "dtype", type(array).__name__)
+            raise ValueError(f"sample {rec.index}: {name} must be {np.dtype(expected[name])}, got {got}")
+    seq_len = rec.input_ids.shape[0] if rec.input_ids.ndim == 1 else -1
+    if seq_len < 1 or rec.loss_mask.shape != (seq_len,):
+        raise ValueError(f"sample {rec.index}: input_ids and loss_mask must both be [L] with L >= 1")
+    if rec.hidden_states.ndim != 2 or rec.hidden_states.shape[0] != seq_len or rec.hidden_states.shape[1] < 1:
+        raise ValueError(f"sample {rec.index}: hidden_states must be [L, H], got {rec.hidden_states.shape}")
+    hidden = rec.hidden_states.shape[1]
+    aux = rec.aux_hidden_states
+    if aux.ndim != 2 or aux.shape[0] != seq_len or aux.shape[1] < hidden or aux.shape[1] % hidden:
+        raise ValueError(
+            f"sample {rec.index}: aux_hidden_states must be [L, K*H] with H={hidden}, got {aux.shape}"
+        )
+    if rec.index < 0 or not isinstance(rec.sample_id, str):
+        raise ValueError(f"sample {rec.index}: index must be >= 0 and sample_id a string")
+
+
+@dataclass(frozen=True)
+class QuarantineEntry:
+    """A dataset row that produced no sample, and why."""
+
+    index: int  # position in the dataset
+    sample_id: str | None  # the row's id, when it could be read
+    reason: str  # short machine-readable reason (too_long, no_dump, mismatch_length, ...)
+    detail: str  # human-readable explanation
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "sampleId": self.sample_id, "reason": self.reason, "detail": self.detail}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> QuarantineEntry:
+        return cls(int(obj["index"]), obj.get("sampleId"), str(obj["reason"]), str(obj.get("detail", "")))
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One stored tensor of a sample."""
+
+    name: str  # input_ids | loss_mask | aux_hidden_states | hidden_states
+    dtype: str  # logical dtype: I32 | U8 | BF16
+    shape: tuple[int, ...]  # logical shape
+    codec: str  # raw | bf16-split-zstd
+    offset: int  # start of the stored bytes, relative to the sample's start
+    length: int  # stored bytes
+
+    @property
+    def num_values(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def raw_length(self) -> int:
+        return self.num_values * _DTYPES[self.dtype].itemsize
+
+    def to_json(self) -> list[Any]:
+        return [self.name, self.dtype, list(self.shape), self.codec, self.offset, self.length]
+
+    @classmethod
+    def from_json(cls, obj: Sequence[Any]) -> TensorEntry:
+        name, dtype, shape, codec, offset, length = obj
+        return cls(str(name), str(dtype), tuple(int(s) for s in shape), str(codec), int(offset), int(length))
+
+
+@dataclass(frozen=True)
+class SampleEntry:
+    """The index row of one sample: everything needed for one ranged read and its check."""
+
+    index: int  # dataset position
+    sample_id: str
+    offset: int  # start of the sample's bytes, relative to the data section
+    length: int  # stored bytes including padding
+    seq_len: int
+    checksum: str  # xxh3-64 hex of the sample's stored bytes (padding included)
+    tensors: tuple[TensorEntry, ...]
+
+    def tensor(self, name: str) -> TensorEntry:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise ShardFormatError(f"sample {self.index} has no tensor {name!r}")
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(t.raw_length for t in self.tensors)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "sampleId": self.sample_id,
+            "offset": self.offset,
+            "length": self.length,
+            "seqLen": self.seq_len,
+            "xxh3": self.checksum,
+            "tensors": [t.to_json() for t in self.tensors],
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> SampleEntry:
+        return cls(
+            index=int(obj["index"]),
+            sample_id=str(obj["sampleId"]),
+            offset=int(obj["offset"]),
+            length=int(obj["length"]),
+            seq_len=int(obj["seqLen"]),
+            checksum=str(obj["xxh3"]),
+            tensors=tuple(TensorEntry.from_json(t) for t in obj["tensors"]),
+        )
+
+
+@dataclass(frozen=True)
+class EncodedSample:
+    """A sample's stored bytes and its index row (offset still 0: set when the shard is laid out)."""
+
+    entry: SampleEntry
+    parts: tuple[bytes | memoryview, ...]  # the stored bytes, in order, not yet concatenated
+
+    @property
+    def payload(self) -> bytes:
+        return b"".join(self.parts)
+
+
+_LOGICAL_DTYPE = {INPUT_IDS: "I32", LOSS_MASK: "U8", AUX: "BF16", FINAL: "BF16"}
+
+
+def encode_sample(rec: SampleRecord, codec: str) -> EncodedSample:
+    """Stored bytes of one sample; hidden states with ``codec``, ids and mask raw."""
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
+    parts: list[bytes | memoryview] = []
+    tensors: list[TensorEntry] = []
+    offset = 0
+    for name, array in rec.tensors().items():
+        if _LOGICAL_DTYPE[name] == "BF16":
+            used, stored = encode_bf16_parts(array, codec)
+        else:
+            raw = np.ascontiguousarray(array, dtype=_DTYPES[_LOGICAL_DTYPE[name]])
+            used, stored = CODEC_RAW, [raw.data.cast("B")]
+        length = sum(memoryview(p).nbytes for p in stored)
+        tensors.append(TensorEntry(name, _LOGICAL_DTYPE[name], tuple(array.shape), used, offset, length))
+        parts += stored
+        offset += length
+    parts.append(b"\0" * (-offset % ALIGN))
+    digest = xxhash.xxh3_64()
+    for part in parts:
+        digest.update(part)
+    length = offset + len(parts[-1])
+    entry = SampleEntry(rec.index, rec.sample_id, 0, length, rec.seq_len, digest.hexdigest(), tuple(tensors))
+    return EncodedSample(entry, tuple(parts))
+
+
+def decode_sample(stored: bytes | memoryview, entry: SampleEntry, verify: bool = True) -> SampleRecord:
+    """The sample an entry describes, from its ``entry.length`` stored bytes."""
+    view = memoryview(stored)
+    if len(view) != entry.length:
+        raise ShardFormatError(f"sample {entry.index}: got {len(view)} bytes, index says {entry.length}")
+    if verify and checksum(view) != entry.checksum:
+        raise ShardFormatError(f"sample {entry.index} ({entry.sample_id}): checksum mismatch")
+    arrays: dict[str, np.ndarray] = {}
+    for t in entry.tensors:
+        chunk = view[t.offset : t.offset + t.length]
+        try:
+            if t.dtype == "BF16":
+                flat = decode_bf16_array(t.codec, chunk, t.num_values)
+            elif t.codec == CODEC_RAW and len(chunk) == t.raw_length:
+                flat = np.frombuffer(chunk, dtype=_DTYPES[t.dtype]).copy()
+            else:
+                raise CodecError(f"{t.dtype} tensor stored as {t.codec} with {len(chunk)} bytes")
+        except CodecError as exc:
+            raise ShardFormatError(f"sample {entry.index}: tensor {t.name}: {exc}") from exc
+        arrays[t.name] = flat.reshape(t.shape)
+    try:
+        return SampleRecord(
+            entry.index,
+            entry.sample_id,
+            arrays[INPUT_IDS].astype(np.int32, copy=False),
+            arrays[LOSS_MASK],
+            arrays[AUX].astype(np.uint16, copy=False),
+            arrays[FINAL].astype(np.uint16, copy=False),
+        )
+    except (KeyError, ValueError) as exc:
+        raise ShardFormatError(f"sample {entry.index}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """A parsed shard header."""
+
+    shard_index: int
+    data_start: int  # byte offset of the data section in the object (8 + JSON length)
+    samples: tuple[SampleEntry, ...]  # sorted by dataset index
+    header_checksum: str  # xxh3-64 of the first data_start bytes: the shard checksum
+
+    @property
+    def data_length(self) -> int:
+        return sum(s.length for s in self.samples)
+
+    @property
+    def object_size(self) -> int:
+        return self.data_start + self.data_length
+
+
+def _safetensors_entries(entry: SampleEntry, base: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    end = 0
+    for t in entry.tensors:
+        start = base + t.offset
+        if t.codec == CODEC_RAW:
+            out[f"{entry.index}.{t.name}"] = {
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "data_offsets": [start, start + t.length],
+            }
+        else:
+            # Compressed bytes are not a tensor; exposing them as opaque U8 keeps the file valid safetensors.
+            out[f"{entry.index}.{t.name}.{t.codec}"] = {
+                "dtype": "U8",
+                "shape": [t.length],
+                "data_offsets": [start, start + t.length],
+            }
+        end = t.offset + t.length
+    if end < entry.length:
+        out[f"{entry.index}.{PAD}"] = {
+            "dtype": "U8",
+            "shape": [entry.length - end],
+            "data_offsets": [base + end, base + entry.length],
+        }
+    return out
+
+
+def layout_shard(shard_index: int, encoded: Iterable[SampleEntry]) -> tuple[bytes, tuple[SampleEntry, ...]]:
+    """Sort samples by dataset index, assign offsets, and build the header bytes.
+
+    Returns (header bytes, entries with their offsets). The object is the header followed by
+    each sample's payload in the returned order.
+    """
+    ordered = sorted(encoded, key=lambda e: e.index)
+    placed: list[SampleEntry] = []
+    offset = 0
+    for e in ordered:
+        placed.append(SampleEntry(e.index, e.sample_id, offset, e.length, e.seq_len, e.checksum, e.tensors))
+        offset += e.length
+    index_doc = {"format": FORMAT_VERSION, "shard": shard_index, "samples": [e.to_json() for e in placed]}
+    header: dict[str, Any] = {
+        "__metadata__": {"format": FORMAT_VERSION, "hsx": json.dumps(index_doc, separators=(",", ":"))}
+    }
+    for e in placed:
+        header.update(_safetensors_entries(e, e.offset))
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % ALIGN)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ShardFormatError(
+            f"shard {shard_index}: header of {len(raw)} bytes is too large; use larger samples per shard"
+        )
+    return struct.pack("<Q", len(raw)) + raw, tuple(placed)
+
+
+def header_length(first8: bytes) -> int:
+    """Total header bytes (8 + JSON) from the object's first 8 bytes."""
+    if len(first8) < 8:
+        raise ShardFormatError("shard is shorter than 8 bytes")
+    (n,) = struct.unpack("<Q", first8[:8])
+    if n > MAX_HEADER_BYTES:
+        raise ShardFormatError(f"shard header length {n} exceeds {MAX_HEADER_BYTES}")
+    return 8 + n
+
+
+def parse_header(head: bytes) -> ShardHeader:
+    """Parse and check a shard header (the object's first :func:`header_length` bytes or more)."""
+    total = header_length(head)
+    if len(head) < total:
+        raise ShardFormatError(f"shard header truncated: have {len(head)} of {total} bytes")
+    try:
+        header = json.loads(head[8:total])
+        meta = header["__metadata__"]
+        if meta.get("format") != FORMAT_VERSION:
+            raise ShardFormatError(f"shard format {meta.get('format')!r}, expected {FORMAT_VERSION!r}")
+        doc = json.loads(meta["hsx"])
+        samples = tuple(SampleEntry.from_json(s) for s in doc["samples"])
+        shard_index = int(doc["shard"])
+    except ShardFormatError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ShardFormatError(f"shard header is malformed: {exc}") from exc
+    _check_tiling(samples)
+    return ShardHeader(shard_index, total, samples, checksum(head[:total]))
+
+
+def _check_tiling(samples: Sequence[SampleEntry]) -> None:
+    # Samples must tile the data section, and tensors their sample, so checksums cover every byte.
+    offset = 0
+    last = -1
+    for s in samples:
+        if s.index <= last:
+            raise ShardFormatError(f"sample {s.index} out of order or duplicated in shard index")
+        if s.offset != offset or s.length % ALIGN:
+            raise ShardFormatError(
+                f"sample {s.index}: offset {s.offset} (expected {offset}) or length {s.length} breaks tiling"
+            )
+        inner = 0
+        for t in s.tensors:
+            if t.offset != inner or t.dtype not in _DTYPES or t.codec not in CODECS:
+                raise ShardFormatError(
+                    f"sample {s.index}: tensor {t.name} is misplaced or has unknown dtype/codec"
+                )
+            if t.codec == CODEC_RAW and t.length != t.raw_length:
+                raise ShardFormatError(
+                    f"sample {s.index}: raw tensor {t.name} length does not match its shape"
+                )
+            inner += t.length
+        if not 0 <= s.length - inner < ALIGN or {t.name for t in s.tensors} != set(TENSOR_ORDER):
+            raise ShardFormatError(f"sample {s.index}: tensors do not fill the sample")
+        offset += s.length
+        last = s.index
+
+
+@dataclass(frozen=True)
+class ShardCommit:
+    """What a sealed shard is; the commit record is this as JSON."""
+
+    shard_index: int
+    samples: int  # samples stored
+    quarantined: int  # rows of this shard that are quarantined
+    bytes_stored: int  # object size
+    bytes_raw: int  # uncompressed size of every stored tensor
+    key: str  # object key (relative to the store root)
+    checksum: str  # shard checksum: xxh3-64 of the header, which lists every sample's xxh3-64
+    start: int = 0  # first dataset index of the shard
+    stop: int = 0  # one past the last
+    sample_indices: tuple[int, ...] = field(default=(), repr=False)
+    quarantine: tuple[QuarantineEntry, ...] = field(default=(), repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": COMMIT_VERSION,
+            "shard": self.shard_index,
+            "key": self.key,
+            "checksum": self.checksum,
+            "bytesStored": self.bytes_stored,
+            "bytesRaw": self.bytes_raw,
+            "start": self.start,
+            "stop": self.stop,
+            "samples": list(self.sample_indices),
+            "quarantined": [q.to_json() for q in self.quarantine],
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> ShardCommit:
+        if obj.get("format") != COMMIT_VERSION:
+            raise ShardFormatError(f"commit record format {obj.get('format')!r}, expected {COMMIT_VERSION!r}")
+        try:
+            indices = tuple(int(i) for i in obj["samples"])
+            quarantine = tuple(QuarantineEntry.from_json(q) for q in obj["quarantined"])
+            return cls(
+                shard_index=int(obj["shard"]),
+                samples=len(indices),
+                quarantined=len(quarantine),
+                bytes_stored=int(obj["bytesStored"]),
+                bytes_raw=int(obj["bytesRaw"]),
+                key=str(obj["key"]),
+                checksum=str(obj["checksum"]),
+                start=int(obj["start"]),
+                stop=int(obj["stop"]),
+                sample_indices=indices,
+                quarantine=quarantine,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ShardFormatError(f"commit record is malformed: {exc}") from exc

@@ -1,0 +1,370 @@
+"""Where shards go, and the exactly-once commit protocol (same for a local directory and S3).
+
+A shard counts only once its *commit record* exists. Sealing a shard:
+
+1. create the shard object only if absent (S3: multipart completed with ``If-None-Match: *``;
+   local: ``link()`` of a finished temp file). Its key holds the shard checksum, so only equal
+   content can share it; if it exists, compare headers (the header lists every sample's
+   checksum): equal header + size -> success, anything else is a :class:`ShardConflictError`.
+2. create the commit record only if absent. This one conditional write decides the shard: an
+   existing record must be identical, else :class:`ShardConflictError` (nothing is overwritten).
+
+A writer killed between 1 and 2 leaves an object no record names; the restarted writer may
+produce different bytes (GPU kernels are not bit-deterministic), which then land under a
+different key and commit normally. :meth:`Store.finalize` deletes such unreferenced objects.
+
+Resume needs no local state: :meth:`Store.committed_shards` lists commit records. The manifest
+is written last, by :meth:`Store.finalize`, once every planned shard has a record.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from hsx_extractor.config import OutputSpec
+from hsx_extractor.storage.backends import (
+    Backend,
+    LocalBackend,
+    ObjectSource,
+    PermanentStoreError,
+    ShardConflictError,
+    TransientStoreError,
+)
+from hsx_extractor.storage.layout import MANIFEST_NAME, RunLayout, parse_output_uri, validate_name
+from hsx_extractor.storage.manifest import build_manifest
+from hsx_extractor.storage.shard_format import (
+    COMPRESSION_CODECS,
+    QuarantineEntry,
+    SampleEntry,
+    SampleRecord,
+    ShardCommit,
+    ShardFormatError,
+    ShardHeader,
+    decode_sample,
+    encode_sample,
+    header_length,
+    layout_shard,
+    parse_header,
+)
+from hsx_extractor.storage.spool import SpooledObject, SpoolFiles, pwrite_all
+
+if TYPE_CHECKING:
+    from hsx_extractor.storage.s3_client import S3Endpoint
+
+HEAD_PROBE_BYTES = 64 << 10  # first read of a shard; usually holds the whole header
+
+
+class ShardBuilder:
+    """Collects one shard's samples in a spool file, then seals (encodes, uploads, commits) it."""
+
+    def __init__(self, store: Store, shard_index: int, indices: range, codec: str):
+        self._store = store
+        self.shard_index = shard_index
+        self.indices = indices
+        self._codec = codec
+        self._lock = threading.Lock()
+        self._fd: int | None = store.spools.take()
+        self._spool_end = 0
+        self._entries: dict[int, tuple[SampleEntry, int]] = {}
+        self._quarantine: dict[int, QuarantineEntry] = {}
+        self.result: ShardCommit | None = None
+
+    def _claim(self, index: int) -> None:
+        if self._fd is None:
+            raise RuntimeError(f"shard {self.shard_index} is already sealed or aborted")
+        if index not in self.indices:
+            raise ValueError(f"sample index {index} is outside shard {self.shard_index} ({self.indices})")
+        if index in self._entries or index in self._quarantine:
+            raise ValueError(f"sample index {index} was already added to shard {self.shard_index}")
+
+    def add(self, sample: SampleRecord) -> None:
+        encoded = encode_sample(sample, self._codec)  # CPU work outside the lock
+        with self._lock:
+            self._claim(sample.index)
+            assert self._fd is not None
+            pwrite_all(self._fd, encoded.parts, self._spool_end)
+            self._entries[sample.index] = (encoded.entry, self._spool_end)
+            self._spool_end += encoded.entry.length
+
+    def quarantine(self, entry: QuarantineEntry) -> None:
+        with self._lock:
+            self._claim(entry.index)
+            self._quarantine[entry.index] = entry
+
+    def seal(self) -> ShardCommit:
+        """Upload and commit. Safe to call again after a failure; a sealed builder returns its commit."""
+        with self._lock:
+            if self.result is not None:
+                return self.result
+            if self._fd is None:
+                raise RuntimeError(f"shard {self.shard_index} was aborted")
+            missing = [i for i in self.indices if i not in self._entries and i not in self._quarantine]
+            if missing:
+                raise ValueError(
+                    f"shard {self.shard_index}: {len(missing)} indices neither added nor quarantined, e.g. {missing[:5]}"
+                )
+            header, placed = layout_shard(self.shard_index, (e for e, _ in self._entries.values()))
+            regions = tuple((self._entries[e.index][1], e.length) for e in placed)
+            source = SpooledObject(header, self._fd, regions)
+            shard_checksum = parse_header(header).header_checksum
+            commit = ShardCommit(
+                shard_index=self.shard_index,
+                samples=len(placed),
+                quarantined=len(self._quarantine),
+                bytes_stored=source.size,
+                bytes_raw=sum(e.raw_bytes for e in placed),
+                key=self._store.layout.shard_key(self.shard_index, shard_checksum),
+                checksum=shard_checksum,
+                start=self.indices.start,
+                stop=self.indices.stop,
+                sample_indices=tuple(e.index for e in placed),
+                quarantine=tuple(self._quarantine[i] for i in sorted(self._quarantine)),
+            )
+            self._store.commit_shard(commit, source)
+            self.result = commit
+            self._close()
+            return commit
+
+    def abort(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            self._store.spools.give_back(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> ShardBuilder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+
+def canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+class Store:
+    """One run's output: plan, shards, commit records, manifest."""
+
+    def __init__(self, backend: Backend, layout: RunLayout, output: OutputSpec, spool_dir: str | None = None):
+        self.backend = backend
+        self.layout = layout
+        self.output = output
+        self.codec = COMPRESSION_CODECS[output.compression]
+        self.spools = SpoolFiles(spool_dir)
+
+    def close(self) -> None:
+        """Release the spool files kept for reuse."""
+        self.spools.close()
+
+    @property
+    def description(self) -> str:
+        return f"{self.backend.description}/{self.layout.root}"
+
+    # -- small JSON objects -------------------------------------------------------------
+    def get_json(self, name: str) -> dict[str, Any] | None:
+        data = self.backend.get(self.layout.key(validate_name(name)))
+        if data is None:
+            return None
+        try:
+            obj = json.loads(data)
+        except ValueError as exc:
+            raise PermanentStoreError(f"{self.description}/{name} is not JSON: {exc}") from exc
+        if not isinstance(obj, dict):
+            raise PermanentStoreError(f"{self.description}/{name} is not a JSON object")
+        return obj
+
+    def put_json_if_absent(self, name: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """Create ``name`` unless it exists; return what is stored (ours or the earlier one)."""
+        key = self.layout.key(validate_name(name))
+        if self.backend.put_if_absent(key, canonical_json(obj)):
+            return json.loads(canonical_json(obj))  # type: ignore[no-any-return]
+        stored = self.get_json(name)
+        if stored is None:
+            raise TransientStoreError(
+                f"{self.description}/{name}: conditional write refused but the object is gone"
+            )
+        return stored
+
+    # -- shards ---------------------------------------------------------------------------
+    def committed_shards(self) -> set[int]:
+        """Shards with a commit record: the ones a restarted run skips."""
+        found = set()
+        for key in self.backend.list_keys(self.layout.commits_prefix):
+            k = self.layout.shard_of_commit_key(key)
+            if k is not None:
+                found.add(k)
+        return found
+
+    def get_commit(self, shard_index: int) -> ShardCommit | None:
+        data = self.backend.get(self.layout.commit_key(shard_index))
+        if data is None:
+            return None
+        try:
+            return ShardCommit.from_json(json.loads(data))
+        except (ValueError, ShardFormatError) as exc:
+            raise PermanentStoreError(
+                f"commit record of shard {shard_index} in {self.description} is damaged: {exc}"
+            ) from exc
+
+    def open_shard(self, shard_index: int, indices: range) -> ShardBuilder:
+        if indices.step != 1 or indices.start < 0 or len(indices) == 0:
+            raise ValueError(
+                f"shard {shard_index}: indices must be a non-empty range with step 1, got {indices}"
+            )
+        self.layout.shard_prefix(shard_index)  # validates the index
+        return ShardBuilder(self, shard_index, indices, self.codec)
+
+    def abort_stale_uploads(self, shard_index: int | None = None) -> int:
+        """Abort unfinished uploads of one shard (or of every shard of this run)."""
+        prefix = (
+            self.layout.shard_prefix(shard_index) if shard_index is not None else self.layout.shards_prefix
+        )
+        return self.backend.abort_uploads(prefix)
+
+    def commit_shard(self, commit: ShardCommit, source: ObjectSource) -> None:
+        """Steps 1 and 2 of the protocol (module docstring)."""
+        self.abort_stale_uploads(commit.shard_index)
+        metadata = {"hsx-checksum": commit.checksum, "hsx-format": "hsx-shard/1"}
+        if not self.backend.upload_if_absent(commit.key, source, metadata):
+            self._check_same_shard(commit)
+        record = canonical_json(commit.to_json())
+        commit_key = self.layout.commit_key(commit.shard_index)
+        if self.backend.put_if_absent(commit_key, record):
+            return
+        existing = self.backend.get(commit_key)
+        if existing is not None and json.loads(existing) == json.loads(record):
+            return  # an identical writer (or our own retried request) got there first
+        theirs = json.loads(existing).get("key") if existing else None
+        if theirs != commit.key:
+            self.backend.delete(commit.key)  # unreferenced: nobody will ever read it
+        raise ShardConflictError(
+            f"commit record {self.backend.description}/{commit_key} already exists with different "
+            f"content (it names {theirs!r}, we wrote {commit.key!r}): two writers produced different "
+            "data for one shard. Not overwriting; ours was discarded."
+        )
+
+    def _check_same_shard(self, commit: ShardCommit) -> None:
+        size = self.backend.size(commit.key)
+        try:
+            header = self.read_header(commit.key) if size is not None else None
+        except ShardFormatError:
+            header = None
+        if size != commit.bytes_stored or header is None or header.header_checksum != commit.checksum:
+            raise ShardConflictError(
+                f"{self.backend.description}/{commit.key} already exists with different content "
+                f"(size {size}, expected {commit.bytes_stored}; checksum "
+                f"{header.header_checksum if header else 'unreadable'}, expected {commit.checksum}). "
+                "Two writers produced different data for one shard; not overwriting."
+            )
+
+    # -- reading ----------------------------------------------------------------------------
+    def shard_object_key(self, shard: int | str) -> str:
+        """The object key of a committed shard (by index, via its commit record) or ``shard`` itself."""
+        if isinstance(shard, str):
+            return shard
+        commit = self.get_commit(shard)
+        if commit is None:
+            raise PermanentStoreError(f"shard {shard} of {self.description} has no commit record")
+        return commit.key
+
+    def read_header(self, shard: int | str) -> ShardHeader:
+        """The header of a shard object, given its key or the index of a committed shard."""
+        key = self.shard_object_key(shard)
+        head = self.backend.get_range(key, 0, HEAD_PROBE_BYTES)
+        total = header_length(head)
+        if total > len(head):
+            head += self.backend.get_range(key, len(head), total - len(head))
+        return parse_header(head)
+
+    def read_sample(
+        self, shard: int | str, header: ShardHeader, entry: SampleEntry, verify: bool = True
+    ) -> SampleRecord:
+        """One ranged read (shard by key or committed index), then decode; checksummed unless ``verify`` is False."""
+        key = self.shard_object_key(shard)
+        data = self.backend.get_range(key, header.data_start + entry.offset, entry.length)
+        return decode_sample(data, entry, verify=verify)
+
+    def unreferenced_shard_objects(self, commits: Iterable[ShardCommit]) -> list[str]:
+        """Shard objects no commit record names: left by attempts killed before their record."""
+        referenced = {c.key for c in commits}
+        return [
+            key
+            for key in self.backend.list_keys(self.layout.shards_prefix)
+            if self.layout.shard_of_key(key) is not None and key not in referenced
+        ]
+
+    # -- the end ---------------------------------------------------------------------------
+    def finalize(
+        self, planned: Sequence[tuple[int, int, int]], run_info: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Write manifest.json once every planned shard ``(index, start, stop)`` is committed; None
+        while some are not. The run's plan decides which shards there are; the store only checks."""
+        existing = self.get_json(MANIFEST_NAME)
+        if existing is not None:
+            return existing
+        committed = self.committed_shards()
+        if any(k not in committed for k, _, _ in planned):
+            return None
+        commits = []
+        for k, start, stop in planned:
+            c = self.get_commit(k)
+            if c is None:
+                return None
+            if (c.start, c.stop) != (start, stop):
+                raise ShardConflictError(
+                    f"shard {k} was committed for indices [{c.start}, {c.stop}) but the plan says [{start}, {stop})"
+                )
+            commits.append(c)
+        self.abort_stale_uploads()
+        for key in self.unreferenced_shard_objects(commits):  # every shard is committed: garbage
+            self.backend.delete(key)
+        manifest = build_manifest(self.layout.run_id, self.output.compression, commits, run_info)
+        return self.put_json_if_absent(MANIFEST_NAME, manifest)
+
+
+def open_backend(uri: str, output: OutputSpec | None = None) -> tuple[Backend, str]:
+    """The backend for an output URI and the key prefix inside it."""
+    location = parse_output_uri(uri)
+    if location.bucket is None:
+        return LocalBackend(location.prefix), ""
+    from hsx_extractor.storage.s3 import S3Backend
+
+    return S3Backend.from_output(
+        location.bucket, output or OutputSpec.model_validate({"uri": uri})
+    ), location.prefix
+
+
+def open_store(output: OutputSpec, run_id: str, spool_dir: str | None = None) -> Store:
+    """The store of run ``run_id`` under ``output.uri`` (local directory or ``s3://``)."""
+    backend, prefix = open_backend(output.uri, output)
+    store = Store(backend, RunLayout(prefix, run_id), output, spool_dir)
+    preflight = getattr(backend, "preflight", None)
+    if preflight is not None:  # S3: bad credentials or a missing bucket fail here, before any work
+        preflight(store.layout.root + "/")
+    return store
+
+
+def open_uri_lines(uri: str, where: S3Endpoint | None = None) -> Iterator[bytes]:
+    """Lines (with their newline) of a local file, ``file://`` or ``s3://bucket/key`` object.
+
+    For ``s3://``, ``where`` names the store (endpoint, region, path style, credentials);
+    without it the AWS defaults apply.
+    """
+    if uri.startswith("s3://"):
+        from hsx_extractor.storage.s3 import S3Backend, split_object_uri
+        from hsx_extractor.storage.s3_client import S3Endpoint, S3TransferConfig, make_client
+
+        bucket, key = split_object_uri(uri)
+        config = S3TransferConfig()
+        client = make_client(where or S3Endpoint(), config)
+        yield from S3Backend(client, bucket, config, "").iter_lines(key)
+        return
+    path = uri[len("file://") :] if uri.startswith("file://") else uri
+    with open(path, "rb") as f:
+        yield from f

@@ -1,0 +1,230 @@
+"""The ``hsx`` command. Thin: parse arguments, call one function, map errors to exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from hsx_extractor.config import ExtractConfig, load_config, with_overrides
+from hsx_extractor.contract import EXIT_OK, EXIT_PERMANENT
+
+# `hsx extract` flags -> dotted config field names (the ExtractionJob spec's names).
+EXTRACT_FLAGS: dict[str, tuple[str, type]] = {
+    "run_id": ("runId", str),
+    "dataset": ("dataset.uri", str),
+    "output": ("output.uri", str),
+    "model": ("modelPath", str),
+    "tokenizer": ("dataset.tokenizer", str),
+    "format": ("dataset.format", str),
+    "max_length": ("dataset.maxLength", int),
+    "limit": ("dataset.limit", int),
+    "expected_fingerprint": ("dataset.expectedTokenizerFingerprint", str),
+    "server_url": ("serverUrl", str),
+    "dump_dir": ("dumpDir", str),
+    "dump_dir_max_bytes": ("dumpDirMaxBytes", int),
+    "concurrency": ("concurrency", int),
+    "shard_target_bytes": ("output.shardTargetBytes", int),
+    "compression": ("output.compression", str),
+    "replica_index": ("replicaIndex", int),
+    "replica_count": ("replicaCount", int),
+    "progress_host": ("progressHost", str),
+    "progress_port": ("progressPort", int),
+    "log_interval": ("logIntervalSeconds", float),
+    "on_mismatch": ("validation.onMismatch", str),
+    "max_mismatch_rate": ("validation.maxMismatchRate", float),
+    "gate_window": ("validation.gateWindow", int),
+    "gate_min_samples": ("validation.gateMinSamples", int),
+    "dump_timeout": ("validation.dumpTimeoutSeconds", float),
+    "max_retries": ("validation.maxRetries", int),
+}
+
+
+def _parse_set(values: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in values:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set wants FIELD=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    return out
+
+
+def extract_config(args: argparse.Namespace) -> ExtractConfig:
+    """The config from ``--config FILE`` (if any) with flags and ``--set`` applied on top."""
+    overrides = {
+        field: getattr(args, flag)
+        for flag, (field, _) in EXTRACT_FLAGS.items()
+        if getattr(args, flag) is not None
+    }
+    overrides.update(_parse_set(args.set or []))
+    if args.chat_template:
+        overrides["dataset.chatTemplate"] = Path(args.chat_template).read_text()
+    if args.config:
+        return load_config(args.config, overrides)
+    return ExtractConfig.model_validate(with_overrides({}, overrides))
+
+
+def cmd_extract(args: argparse.Namespace) -> int:
+    from hsx_extractor.run.runner import run_extract
+
+    try:
+        cfg = extract_config(args)
+    except (ValidationError, ValueError, OSError) as exc:
+        print(f"hsx extract: invalid configuration: {exc}", file=sys.stderr, flush=True)
+        return EXIT_PERMANENT
+    return run_extract(cfg)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from hsx_extractor.tools.verify import run_verify
+
+    report = run_verify(args.output, sample_fraction=args.sample)
+    if args.json:
+        print(json.dumps(report.to_dict(), separators=(",", ":")), flush=True)
+    else:
+        print(report.summary_text(), flush=True)
+    return EXIT_OK if report.ok else EXIT_PERMANENT
+
+
+def cmd_serve_reference(args: argparse.Namespace) -> int:
+    from hsx_extractor.tools.reference_server import FaultPlan, run
+
+    try:
+        fault = FaultPlan(args.fault, args.fault_every, args.fault_first_attempt_only)
+    except ValueError as exc:
+        print(f"hsx serve-reference: {exc}", file=sys.stderr)
+        return EXIT_PERMANENT
+    return run(
+        args.model,
+        args.dump_dir,
+        args.host,
+        args.port,
+        args.aux_layer_ids,
+        fault,
+        args.delay_ms / 1000.0,
+        args.enable_test_hooks,
+        args.threads,
+    )
+
+
+def cmd_fingerprint(args: argparse.Namespace) -> int:
+    from hsx_extractor.run.tokens import ChatTokenizer, TokenizerError
+
+    template = Path(args.chat_template).read_text() if args.chat_template else None
+    try:
+        print(ChatTokenizer(args.dir, template).fingerprint, flush=True)
+    except TokenizerError as exc:
+        print(f"hsx fingerprint: {exc}", file=sys.stderr)
+        return EXIT_PERMANENT
+    return EXIT_OK
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from hsx_extractor.tools.tinymodel import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(num_layers=args.layers, hidden_size=args.hidden_size, seed=args.seed)
+    print(build_tiny_model(args.dir, spec), flush=True)
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from hsx_extractor.tools.demo import run_demo
+
+    return run_demo(args.output, keep_model=args.keep_model)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="hsx", description="Capture LLM hidden states for EAGLE-3 drafters.")
+    sub = top.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser(
+        "extract",
+        help="run an extraction against a running server",
+        description="Flags and --set FIELD=VALUE use the ExtractionJob spec's field names "
+        "and override --config FILE.",
+    )
+    p.add_argument("--config", help="YAML/JSON file in ExtractionJob spec field names")
+    for flag, (field, kind) in EXTRACT_FLAGS.items():
+        p.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=kind, help=field)
+    p.add_argument("--chat-template", help="file holding dataset.chatTemplate")
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="any config field (dotted name)")
+    p.set_defaults(func=cmd_extract)
+
+    p = sub.add_parser("verify", help="re-read a run's output and check every checksum")
+    p.add_argument("output", help="the run's output: {output.uri}/{runId} (directory or s3://)")
+    p.add_argument("--json", action="store_true", help="print a one-line JSON summary")
+    p.add_argument(
+        "--sample", type=float, default=None, metavar="F", help="check only this fraction of samples"
+    )
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("serve-reference", help="CPU reference server speaking hsx's subset of SGLang's API")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--dump-dir", required=True, help="where dumps are written (one file per rid)")
+    p.add_argument("--port", type=int, default=30000, help="0: any free port (printed on start)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--aux-layer-ids",
+        type=int,
+        nargs="+",
+        default=None,
+        help="SGLang's --return-aux-hidden-state-layer-ids (default: EAGLE-3's layers)",
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    # Test hooks: deliberate misbehaviour.
+    p.add_argument(
+        "--fault",
+        choices=["swap", "drop", "truncate", "add_bos", "nan", "error"],
+        help="TEST HOOK: spoil requests on purpose",
+    )
+    p.add_argument(
+        "--fault-every", type=int, default=1, help="TEST HOOK: spoil samples whose index %% N == 0"
+    )
+    p.add_argument(
+        "--fault-first-attempt-only", action="store_true", help="TEST HOOK: serve retries correctly"
+    )
+    p.add_argument(
+        "--delay-ms", type=float, default=0.0, help="TEST HOOK: wait this long before each prefill"
+    )
+    p.add_argument("--enable-test-hooks", action="store_true", help="TEST HOOK: allow POST /hsx_test/fault")
+    p.set_defaults(func=cmd_serve_reference)
+
+    p = sub.add_parser("fingerprint", help="print a tokenizer's fingerprint")
+    p.add_argument("dir", help="tokenizer (or model) directory")
+    p.add_argument("--chat-template", help="file holding the chat template to use instead of the tokenizer's")
+    p.set_defaults(func=cmd_fingerprint)
+
+    p = sub.add_parser("make-tiny-model", help="build a tiny random model and tokenizer locally")
+    p.add_argument("dir")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_tiny_model)
+
+    p = sub.add_parser("demo", help="extract the bundled example dataset with a tiny model on CPU")
+    p.add_argument("--output", default="demo-output", help="output directory (default ./demo-output)")
+    p.add_argument("--keep-model", action="store_true", help="keep the tiny model's temp directory")
+    p.set_defaults(func=cmd_demo)
+
+    from hsx_extractor.tools.estimate import add_estimate_command
+
+    add_estimate_command(sub)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

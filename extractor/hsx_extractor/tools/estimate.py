@@ -1,0 +1,378 @@
+"""How much a run will write, before it starts: ``hsx estimate``.
+
+Per token a run stores the captured aux layers plus the final hidden state, each ``hidden_size``
+bf16 values, plus the int32 token id and a uint8 loss-mask entry. Hidden states dominate::
+
+    bytes ~= tokens x (aux layers + 1) x hidden_size x 2 / compression ratio
+
+The rest (shard headers, commit records, plan) is computed by laying the shards out with the shard
+format's own functions (run/plan.py, storage/shard_format.py), so it is exact up to the digits of the numbers in it.
+The compression ratio depends on the model's activations: the estimate prints the raw size and
+the stored size under a stated ratio; a trial run with ``dataset.limit`` measures the real one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hsx_extractor.model import ModelConfigError, ModelDims, capture_layers, model_dims, read_model_config
+from hsx_extractor.run.plan import build_plan
+from hsx_extractor.storage.compress import CODEC_RAW
+from hsx_extractor.storage.shard_format import (
+    ALIGN,
+    AUX,
+    COMPRESSION_CODECS,
+    FINAL,
+    INPUT_IDS,
+    LOSS_MASK,
+    QuarantineEntry,
+    SampleEntry,
+    ShardCommit,
+    TensorEntry,
+    layout_shard,
+)
+
+BF16_BYTES = 2
+TOKEN_ID_BYTES = 4
+LOSS_MASK_BYTES = 1
+# Measured ratio of bf16-zstd (high-byte plane through zstd-1, low byte raw) on activation-like
+# bf16 data with per-channel scales and outlier channels: 1.43-1.47x (shared/research.md).
+# The low byte is stored raw, so no data beats 2x.
+DEFAULT_RATIOS: dict[str, float] = {"none": 1.0, "bf16-zstd": 1.45}
+# What the run writes besides shards and commit records (plan.json's settings, manifest.json's
+# totals): a few hundred bytes, plus per-shard lines in the manifest.
+PER_RUN_BYTES = 2048
+PER_SHARD_MANIFEST_BYTES = 256
+# A quarantine entry's reason and detail text, which the dataset alone cannot predict exactly.
+PER_QUARANTINED_BYTES = 160
+# Shard headers are laid out for this many samples; beyond, their size is scaled.
+_SIMULATE_SAMPLES = 20_000
+
+
+class EstimateError(ValueError):
+    """The inputs cannot give an estimate (missing model dimensions, bad numbers)."""
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The dataset as the run's pre-pass sees it: per row its token count and id (None: rejected)."""
+
+    lengths: tuple[int | None, ...]
+    ids: tuple[str | None, ...]
+
+    @classmethod
+    def uniform(cls, samples: int, tokens: int) -> Rows:
+        """``samples`` rows sharing ``tokens`` as evenly as possible (when only totals are known)."""
+        if samples < 1 or tokens < samples:
+            raise EstimateError(f"need 1 <= samples <= tokens, got {samples} samples, {tokens} tokens")
+        base, extra = divmod(tokens, samples)
+        lengths = tuple(base + (1 if i < extra else 0) for i in range(samples))
+        return cls(lengths, tuple(f"#{i}" for i in range(samples)))
+
+
+@dataclass(frozen=True)
+class StorageEstimate:
+    """Bytes a run writes, split by what they hold."""
+
+    samples: int  # samples that will be written
+    tokens: int  # their tokens
+    quarantined: int  # rows known to be quarantined before reaching the server
+    hidden_size: int
+    num_aux_layers: int
+    shards: int
+    hidden_bytes: int  # aux layers + final state, raw bf16
+    token_bytes: int  # ids, loss masks and per-sample padding
+    index_bytes: int  # shard headers, commit records, plan, manifest
+    compression: str
+    assumed_ratio: float  # raw / stored for hidden states under `compression`
+
+    @property
+    def raw_bytes(self) -> int:
+        """What the run writes with compression none."""
+        return self.hidden_bytes + self.token_bytes + self.index_bytes
+
+    @property
+    def stored_bytes(self) -> int:
+        """What the run writes under ``compression`` if hidden states shrink by ``assumed_ratio``."""
+        return math.ceil(self.hidden_bytes / self.assumed_ratio) + self.token_bytes + self.index_bytes
+
+
+def _check_ratio(compression: str, ratio: float | None) -> float:
+    if compression not in COMPRESSION_CODECS:
+        raise EstimateError(f"unknown compression {compression!r}; known: {', '.join(COMPRESSION_CODECS)}")
+    assumed = DEFAULT_RATIOS[compression] if ratio is None else float(ratio)
+    if compression == "none" and assumed != 1.0:
+        raise EstimateError("compression none stores raw bf16: its ratio is 1")
+    if not 1.0 <= assumed <= 2.0:
+        raise EstimateError(
+            f"a bf16-zstd ratio must lie in [1, 2] (the low byte is stored raw), got {assumed}"
+        )
+    return assumed
+
+
+def _sample_entry(
+    index: int, sample_id: str, length: int, num_aux: int, hidden: int, codec: str, ratio: float
+) -> SampleEntry:
+    # The index row the shard writer makes for this sample; compressed lengths are guessed from the ratio.
+    def stored(values: int) -> int:
+        return 2 * values if codec == CODEC_RAW else math.ceil(2 * values / ratio)
+
+    names = [
+        (INPUT_IDS, "I32", (length,), CODEC_RAW, 4 * length),
+        (LOSS_MASK, "U8", (length,), CODEC_RAW, length),
+        (AUX, "BF16", (length, num_aux * hidden), codec, stored(length * num_aux * hidden)),
+        (FINAL, "BF16", (length, hidden), codec, stored(length * hidden)),
+    ]
+    tensors, offset = [], 0
+    for name, dtype, shape, used, nbytes in names:
+        tensors.append(TensorEntry(name, dtype, shape, used, offset, nbytes))
+        offset += nbytes
+    padded = offset + (-offset % ALIGN)
+    return SampleEntry(index, sample_id, 0, padded, length, "0" * 16, tuple(tensors))
+
+
+def _shard_index_bytes(shard: int, entries: Sequence[SampleEntry], quarantined: Sequence[int]) -> int:
+    """Header bytes plus commit-record bytes of one shard, built with the format's own code."""
+    header, placed = layout_shard(shard, entries)
+    commit = ShardCommit(
+        shard_index=shard,
+        samples=len(placed),
+        quarantined=len(quarantined),
+        bytes_stored=len(header) + sum(e.length for e in placed),
+        bytes_raw=sum(e.raw_bytes for e in placed),
+        key=f"shards/shard-{shard:06d}.safetensors",
+        checksum="0" * 16,
+        sample_indices=tuple(e.index for e in placed),
+        quarantine=tuple(QuarantineEntry(i, None, "", "") for i in quarantined),
+    )
+    record = json.dumps(commit.to_json(), separators=(",", ":"))
+    return len(header) + len(record) + len(quarantined) * PER_QUARANTINED_BYTES + PER_SHARD_MANIFEST_BYTES
+
+
+def estimate_storage(
+    rows: Rows,
+    hidden_size: int,
+    num_aux_layers: int,
+    compression: str,
+    shard_target_bytes: int,
+    ratio: float | None = None,
+) -> StorageEstimate:
+    """The storage a run over ``rows`` writes. Pure."""
+    if hidden_size < 1 or num_aux_layers < 1:
+        raise EstimateError("hidden_size and the number of aux layers must be >= 1")
+    assumed = _check_ratio(compression, ratio)
+    codec = COMPRESSION_CODECS[compression]
+    plan = build_plan({}, rows.lengths, rows.ids, num_aux_layers, hidden_size, shard_target_bytes)
+    written = [
+        i
+        for i, (n, sid) in enumerate(zip(rows.lengths, rows.ids, strict=True))
+        if n is not None and sid is not None and i not in plan.duplicates
+    ]
+    written_set = set(written)
+    tokens = sum(rows.lengths[i] or 0 for i in written)
+    hidden = tokens * (num_aux_layers + 1) * hidden_size * BF16_BYTES
+    # Lay shards out one by one; past _SIMULATE_SAMPLES samples the rest is scaled (it is < 0.1% of the data).
+    shard_bytes = padding = simulated = 0
+    for k, (start, end) in enumerate(plan.shards):
+        if simulated >= _SIMULATE_SAMPLES:
+            break
+        members = [i for i in range(start, end) if i in written_set]
+        rejected = [i for i in range(start, end) if i not in written_set]
+        entries = [
+            _sample_entry(
+                i, rows.ids[i] or "", rows.lengths[i] or 0, num_aux_layers, hidden_size, codec, assumed
+            )
+            for i in members
+        ]
+        shard_bytes += _shard_index_bytes(k, entries, rejected)
+        padding += sum(e.length - sum(t.length for t in e.tensors) for e in entries)
+        simulated += max(1, len(members))
+    if simulated and simulated < len(written):
+        shard_bytes = shard_bytes * len(written) // simulated
+        padding = padding * len(written) // simulated
+    index = PER_RUN_BYTES + len(json.dumps(plan.to_json(), separators=(",", ":"))) + shard_bytes
+    return StorageEstimate(
+        samples=len(written),
+        tokens=tokens,
+        quarantined=len(rows.lengths) - len(written),
+        hidden_size=hidden_size,
+        num_aux_layers=num_aux_layers,
+        shards=len(plan.shards),
+        hidden_bytes=hidden,
+        token_bytes=tokens * (TOKEN_ID_BYTES + LOSS_MASK_BYTES) + padding,
+        index_bytes=index,
+        compression=compression,
+        assumed_ratio=assumed,
+    )
+
+
+def human_bytes(n: float, digits: int = 2) -> str:
+    """1536 -> '1.50 KiB' (``digits`` after the point; whole bytes below 1 KiB)."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+    step = 0
+    while abs(n) >= 1024 and step < len(units) - 1:
+        n /= 1024
+        step += 1
+    return f"{n:.0f} B" if step == 0 else f"{n:.{digits}f} {units[step]}"
+
+
+def format_estimate(est: StorageEstimate) -> str:
+    """The lines ``hsx estimate`` prints."""
+    per_token = (est.num_aux_layers + 1) * est.hidden_size * BF16_BYTES
+    quarantined = f" (+{est.quarantined:,} rows that will be quarantined)" if est.quarantined else ""
+    lines = [
+        f"samples   {est.samples:,}{quarantined}",
+        f"tokens    {est.tokens:,}",
+        f"per token ({est.num_aux_layers} aux + 1 final) x {est.hidden_size} x 2 B = {per_token:,} B "
+        "(+5 B id and loss mask)",
+        f"shards    {est.shards:,}",
+        f"raw       {human_bytes(est.raw_bytes)} ({est.raw_bytes:,} B: hidden states {est.hidden_bytes:,}, "
+        f"ids+mask {est.token_bytes:,}, index {est.index_bytes:,})",
+    ]
+    if est.compression == "none":
+        lines.append(f"stored    {human_bytes(est.stored_bytes)} (compression none: stored = raw)")
+    else:
+        lines.append(
+            f"stored    {human_bytes(est.stored_bytes)} ({est.stored_bytes:,} B with {est.compression}, "
+            f"assuming {est.assumed_ratio:.2f}x on hidden states; measure yours with a trial run and pass "
+            "--compression-ratio)"
+        )
+    return "\n".join(lines)
+
+
+def estimate_to_json(est: StorageEstimate) -> dict[str, Any]:
+    """The estimate as JSON (``hsx estimate --json``)."""
+    return {
+        "samples": est.samples,
+        "tokens": est.tokens,
+        "quarantined": est.quarantined,
+        "hiddenSize": est.hidden_size,
+        "auxLayers": est.num_aux_layers,
+        "shards": est.shards,
+        "hiddenBytes": est.hidden_bytes,
+        "tokenBytes": est.token_bytes,
+        "indexBytes": est.index_bytes,
+        "rawBytes": est.raw_bytes,
+        "compression": est.compression,
+        "assumedRatio": est.assumed_ratio,
+        "storedBytes": est.stored_bytes,
+    }
+
+
+# ------------------------------------------------------------------------------ I/O at the edges
+
+
+def rows_from_samples(samples: Iterable[Any]) -> Rows:
+    """Rows from dataset.read_samples output (Prepared or Rejected, in order)."""
+    from hsx_extractor.run.dataset import Prepared
+
+    lengths: list[int | None] = []
+    ids: list[str | None] = []
+    for s in samples:
+        ok = isinstance(s, Prepared)
+        lengths.append(s.length if ok else None)
+        ids.append(s.sample_id if ok else None)
+    return Rows(tuple(lengths), tuple(ids))
+
+
+def count_dataset(
+    uri: str,
+    tokenizer_dir: Path,
+    chat_template: Path | None,
+    max_length: int,
+    limit: int | None,
+    fmt: str = "auto",
+) -> Rows:
+    """Tokenize the dataset exactly as ``hsx extract`` does (same template, same rejections)."""
+    from hsx_extractor.run.dataset import iter_lines, read_samples
+    from hsx_extractor.run.tokens import ChatTokenizer
+
+    template = chat_template.read_text() if chat_template else None
+    tokenizer = ChatTokenizer(tokenizer_dir, template)
+    return rows_from_samples(read_samples(iter_lines(uri), tokenizer, max_length, fmt, limit))  # type: ignore[arg-type]
+
+
+def add_estimate_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``hsx estimate`` on an argparse subparsers object."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "estimate",
+        help="estimate the storage a run writes",
+        description="Estimate what a run writes: tokens x (aux layers + 1) x hidden x 2 bytes / compression "
+        "ratio, plus ids, loss mask and index. Give a dataset (tokenized exactly as hsx extract does) or "
+        "--tokens; give --model (config.json) or --hidden-size and --num-layers.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--dataset", help="JSONL dataset (local path or file:// URI, as dataset.uri)")
+    src.add_argument("--tokens", type=int, help="total tokens, when you already know them")
+    p.add_argument("--samples", type=int, help="number of samples, with --tokens (default: tokens / 2048)")
+    p.add_argument(
+        "--model", type=Path, help="model directory: config.json, and the tokenizer unless --tokenizer"
+    )
+    p.add_argument("--tokenizer", type=Path, help="tokenizer directory (dataset.tokenizer; default: --model)")
+    p.add_argument("--chat-template", type=Path, help="file holding dataset.chatTemplate")
+    p.add_argument("--format", choices=["auto", "messages", "tokens"], default="auto", help="dataset.format")
+    p.add_argument(
+        "--max-length", type=int, default=8192, help="dataset.maxLength (longer rows are quarantined)"
+    )
+    p.add_argument("--limit", type=int, help="dataset.limit")
+    p.add_argument("--hidden-size", type=int, help="hidden size (overrides config.json)")
+    p.add_argument("--num-layers", type=int, help="decoder layers (overrides config.json)")
+    p.add_argument(
+        "--aux-layer-ids", type=int, nargs="+", help="model.auxLayerIds (default: EAGLE-3's 3 layers)"
+    )
+    p.add_argument(
+        "--compression", choices=sorted(COMPRESSION_CODECS), default="bf16-zstd", help="output.compression"
+    )
+    p.add_argument(
+        "--compression-ratio", type=float, help="hidden-state ratio to assume instead of the default"
+    )
+    p.add_argument("--shard-target-bytes", type=int, default=1 << 30, help="output.shardTargetBytes")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=run_estimate)
+    return p
+
+
+def _dims(args: argparse.Namespace) -> ModelDims:
+    config = read_model_config(args.model) if args.model else {}
+    if config:
+        found = model_dims(config)
+        return ModelDims(
+            args.hidden_size or found.hidden_size, args.num_layers or found.num_layers, found.architecture
+        )
+    if args.hidden_size and args.num_layers:
+        return ModelDims(args.hidden_size, args.num_layers, "")
+    raise EstimateError("give --model DIR, or both --hidden-size and --num-layers")
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    """``hsx estimate``: read the inputs, print the estimate. Returns the exit code."""
+    try:
+        dims = _dims(args)
+        try:
+            num_aux = len(capture_layers(dims.architecture, dims.num_layers, args.aux_layer_ids))
+        except ValueError as exc:
+            raise EstimateError(str(exc)) from exc
+        if args.dataset:
+            tokenizer_dir = args.tokenizer or args.model
+            if tokenizer_dir is None:
+                raise EstimateError("counting a dataset's tokens needs --tokenizer or --model")
+            rows = count_dataset(
+                args.dataset, tokenizer_dir, args.chat_template, args.max_length, args.limit, args.format
+            )
+        else:
+            samples = args.samples if args.samples is not None else max(1, args.tokens // 2048)
+            rows = Rows.uniform(samples, args.tokens)
+        est = estimate_storage(
+            rows, dims.hidden_size, num_aux, args.compression, args.shard_target_bytes, args.compression_ratio
+        )
+    except (EstimateError, ModelConfigError) as exc:
+        print(f"hsx estimate: {exc}")
+        return 2
+    print(json.dumps(estimate_to_json(est), indent=2) if args.json else format_estimate(est))
+    return 0

@@ -1,0 +1,366 @@
+"""CPU reference server: the subset of SGLang's HTTP API hsx uses, over a transformers causal LM.
+
+* ``POST /generate`` with ``input_ids`` and ``rid`` (duplicate rids are rejected, as SGLang does):
+  runs one prefill on exactly those ids (nothing added) and, before answering, writes the rid's
+  dump with :func:`protocol.write_dump`.
+* ``GET /health``, ``GET /get_model_info`` (model path, vocab size, hidden size, layers, capture
+  layers, architecture).
+
+Layer convention (the same as SGLang's EAGLE-3 capture, see hsx_extractor.model): capture layer ``j`` is
+the *input* of decoder layer ``j``, which is Hugging Face's ``hidden_states[j]`` (0 = embedding
+output). The final state is ``hidden_states[-1]``, which HF returns after the final norm.
+
+Test hooks (clearly not part of the SGLang API): ``--fault`` makes the server misbehave on
+purpose, ``--delay-ms`` slows each request, ``GET /hsx_test/stats`` reports requests in flight
+as the server saw them, and with ``--enable-test-hooks`` ``POST /hsx_test/fault`` changes the
+fault and delay at runtime (and resets the stats).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from hsx_extractor import protocol
+from hsx_extractor.model import capture_layers
+from hsx_extractor.protocol import DumpMeta, ProtocolError
+
+PRODUCER = "hsx-reference"
+FAULT_KINDS = ("swap", "drop", "truncate", "add_bos", "nan", "error")
+
+
+# ---- test hooks: deliberate misbehaviour --------------------------------------------------------
+@dataclass
+class FaultPlan:
+    """TEST HOOK. Which requests the server spoils, and how.
+
+    A request is faulted when its sample index (from the rid, see protocol.make_rid) is a
+    multiple of ``every`` (for rids not made by make_rid: its arrival number). With
+    ``first_attempt_only`` a retry of the same sample is served correctly.
+
+    * swap: the rid's file holds another request's dump (ids and states of another prompt)
+    * drop: no dump at all     * truncate: one row fewer than tokens
+    * add_bos: BOS prepended before running (ids differ from those sent)
+    * nan: one value is NaN    * error: an error marker instead of data
+    """
+
+    kind: str | None = None
+    every: int = 1
+    first_attempt_only: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind is not None and self.kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault {self.kind!r}; choose from {', '.join(FAULT_KINDS)}")
+        if self.every < 1:
+            raise ValueError("fault every must be >= 1")
+
+    def applies(self, rid: str, arrival: int) -> bool:
+        if self.kind is None:
+            return False
+        try:
+            _, index, attempt = protocol.parse_rid(rid)
+        except ProtocolError:
+            return arrival % self.every == 0
+        if self.first_attempt_only and attempt > 0:
+            return False
+        return index % self.every == 0
+
+
+@dataclass
+class Stats:
+    """What the server saw; served at GET /hsx_test/stats."""
+
+    in_flight: int = 0
+    max_in_flight: int = 0
+    requests: int = 0
+    faulted: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "inFlight": self.in_flight,
+            "maxInFlight": self.max_in_flight,
+            "requests": self.requests,
+            "faulted": list(self.faulted),
+        }
+
+
+# ---- the model -----------------------------------------------------------------------------------
+class ReferenceModel:
+    """A causal LM on CPU and the layers it captures."""
+
+    def __init__(self, model_dir: str | os.PathLike[str], aux_layer_ids: Sequence[int] | None = None) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+        self.model_dir = str(model_dir)
+        config = AutoConfig.from_pretrained(self.model_dir)
+        text_config = getattr(config, "text_config", None) or config
+        self.architecture = (config.architectures or [type(config).__name__])[0]
+        self.num_layers = int(text_config.num_hidden_layers)
+        self.hidden_size = int(text_config.hidden_size)
+        self.vocab_size = int(text_config.vocab_size)
+        self.bos_token_id = getattr(text_config, "bos_token_id", None)
+        self.capture_layers = capture_layers(self.architecture, self.num_layers, aux_layer_ids)
+        self._torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        self.model.eval()
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_dir,
+            "tokenizer_path": self.model_dir,
+            "is_generation": True,
+            "architecture": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "capture_layers": list(self.capture_layers),
+            "producer": PRODUCER,
+        }
+
+    def forward(self, input_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, int]:
+        """``(aux bf16 bits [L, K*H], final bf16 bits [L, H], next token)`` for one prompt."""
+        torch = self._torch
+        with torch.inference_mode():
+            out = self.model(torch.tensor([list(input_ids)], dtype=torch.long), output_hidden_states=True)
+        states = out.hidden_states
+        aux = torch.cat([states[j][0] for j in self.capture_layers], dim=-1)
+        final = states[-1][0]
+        next_token = int(out.logits[0, -1].argmax())
+        return _bf16_bits(aux), _bf16_bits(final), next_token
+
+
+def _bf16_bits(t: Any) -> np.ndarray:
+    import torch
+
+    return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+# ---- serving -------------------------------------------------------------------------------------
+class ReferenceServer:
+    def __init__(
+        self,
+        model: ReferenceModel,
+        dump_dir: str | os.PathLike[str],
+        fault: FaultPlan | None = None,
+        delay_s: float = 0.0,
+        test_hooks: bool = False,
+    ) -> None:
+        self.model = model
+        self.dump_dir = Path(dump_dir)
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        self.fault = fault or FaultPlan()
+        self.delay_s = delay_s
+        self.test_hooks = test_hooks
+        self.stats = Stats()
+        self._in_flight = 0
+        self._seen: set[str] = set()
+        self._previous: tuple[DumpMeta, np.ndarray, np.ndarray, np.ndarray] | None = None
+        # One worker: torch parallelises each forward itself; requests queue here, not in the loop.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_post("/generate", self.generate)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/get_model_info", self.model_info)
+        app.router.add_get("/hsx_test/stats", self.get_stats)
+        if self.test_hooks:
+            app.router.add_post("/hsx_test/fault", self.set_fault)
+        app.on_shutdown.append(self._shutdown)
+        return app
+
+    async def _shutdown(self, _: web.Application) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def model_info(self, _: web.Request) -> web.Response:
+        return web.json_response(self.model.info())
+
+    async def get_stats(self, _: web.Request) -> web.Response:
+        return web.json_response(self.stats.to_json())
+
+    async def set_fault(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        try:
+            self.fault = FaultPlan(
+                body.get("kind"), int(body.get("every", 1)), bool(body.get("firstAttemptOnly"))
+            )
+            self.delay_s = float(body.get("delayMs", 0)) / 1000.0
+        except (ValueError, TypeError) as exc:
+            return _error(400, str(exc))
+        self.stats = Stats(in_flight=self._in_flight)
+        return web.json_response({"kind": self.fault.kind, "every": self.fault.every, "delayS": self.delay_s})
+
+    async def generate(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "body is not JSON")
+        parsed = self._parse(body)
+        if isinstance(parsed, web.Response):
+            return parsed
+        rid, ids = parsed
+        self._seen.add(rid)
+        self.stats.requests += 1
+        arrival = self.stats.requests
+        # Counted on the server, not per stats epoch: a reset must not forget requests still running.
+        self._in_flight += 1
+        self.stats.in_flight = self._in_flight
+        self.stats.max_in_flight = max(self.stats.max_in_flight, self._in_flight)
+        try:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            loop = asyncio.get_running_loop()
+            next_token = await loop.run_in_executor(self._worker, self._serve_one, rid, ids, arrival)
+        finally:
+            self._in_flight -= 1
+            self.stats.in_flight = self._in_flight
+        return web.json_response(
+            {
+                "text": "",
+                "output_ids": [next_token],
+                "meta_info": {
+                    "id": rid,
+                    "prompt_tokens": len(ids),
+                    "completion_tokens": 1,
+                    "cached_tokens": 0,
+                    "finish_reason": {"type": "length", "length": 1},
+                },
+            }
+        )
+
+    def _parse(self, body: Any) -> tuple[str, list[int]] | web.Response:
+        if not isinstance(body, dict):
+            return _error(400, "body must be a JSON object")
+        if "input_ids" not in body:
+            return _error(400, "this server takes input_ids only (hsx never sends text)")
+        ids = body["input_ids"]
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+            return _error(400, "input_ids must be a non-empty list of integers")
+        if any(not 0 <= i < self.model.vocab_size for i in ids):
+            return _error(400, f"input_ids outside [0, {self.model.vocab_size})")
+        rid = body.get("rid")
+        if not isinstance(rid, str):
+            return _error(400, "rid must be a string (hsx always sends one)")
+        try:
+            protocol.validate_rid(rid)
+        except ProtocolError as exc:
+            return _error(400, str(exc))
+        if rid in self._seen:
+            return _error(400, f"Duplicate request ID {rid}")
+        # Patched SGLang only dumps requests that ask for hidden states; fail fast instead of a silent no-dump.
+        if body.get("return_hidden_states") is not True:
+            return _error(
+                400, "return_hidden_states must be true: SGLang writes no dump for this request otherwise"
+            )
+        return rid, ids
+
+    def _serve_one(self, rid: str, ids: list[int], arrival: int) -> int:
+        faulted = self.fault.applies(rid, arrival)
+        kind = self.fault.kind if faulted else None
+        if faulted:
+            self.stats.faulted.append(rid)
+        ran = ids
+        if kind == "add_bos":
+            ran = [self.model.bos_token_id or 0, *ids]
+        aux, final, next_token = self.model.forward(ran)
+        meta = DumpMeta(rid, len(ran), self.model.hidden_size, tuple(self.model.capture_layers), PRODUCER)
+        ran_ids = np.asarray(ran, dtype=np.int32)
+        current = (meta, ran_ids, aux, final)
+        if kind == "drop":
+            pass
+        elif kind == "error":
+            protocol.write_error(self.dump_dir, rid, "test_fault", "deliberate error marker (test hook)")
+        elif kind == "swap":
+            previous = self._previous
+            # Swapping with an identical prompt would be no fault at all: then use reversed ids.
+            differs = previous is not None and previous[1].tolist() != ran
+            other = previous if previous is not None and differs else self._reversed(rid, ids)
+            o_meta, o_ids, o_aux, o_final = other
+            # Named for this rid, holding the other request's bytes: what a misrouted dump looks like.
+            protocol.write_dump(self.dump_dir, DumpMeta(rid, *_meta_tail(o_meta)), o_ids, o_aux, o_final)
+        elif kind == "truncate":
+            protocol.write_dump(self.dump_dir, meta, ran_ids, aux[:-1].copy(), final[:-1].copy())
+        elif kind == "nan":
+            spoiled = final.copy()
+            spoiled[len(spoiled) // 2, 0] = 0x7FC0  # bf16 quiet NaN
+            protocol.write_dump(self.dump_dir, meta, ran_ids, aux, spoiled)
+        else:
+            protocol.write_dump(self.dump_dir, meta, ran_ids, aux, final)
+        self._previous = current
+        return next_token
+
+    def _reversed(self, rid: str, ids: list[int]) -> tuple[DumpMeta, np.ndarray, np.ndarray, np.ndarray]:
+        # The first request has no predecessor to swap with: use the dump of its ids reversed.
+        other = list(reversed(ids))
+        aux, final, _ = self.model.forward(other)
+        meta = DumpMeta(rid, len(other), self.model.hidden_size, tuple(self.model.capture_layers), PRODUCER)
+        return meta, np.asarray(other, dtype=np.int32), aux, final
+
+
+def _meta_tail(meta: DumpMeta) -> tuple[int, int, tuple[int, ...], str]:
+    return meta.seq_len, meta.hidden_size, meta.capture_layers, meta.producer
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+async def serve(server: ReferenceServer, host: str, port: int) -> None:
+    """Run until cancelled; prints one flushed line with the bound address once listening."""
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = port
+    server_obj = getattr(site, "_server", None)
+    if server_obj is not None and server_obj.sockets:
+        bound = server_obj.sockets[0].getsockname()[1]
+    print(f"hsx reference server listening on http://{host}:{bound}", flush=True)
+    print(json.dumps({"listening": f"http://{host}:{bound}", **server.model.info()}), flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def run(
+    model_dir: str,
+    dump_dir: str,
+    host: str,
+    port: int,
+    aux_layer_ids: Sequence[int] | None,
+    fault: FaultPlan,
+    delay_s: float,
+    test_hooks: bool,
+    threads: int | None,
+) -> int:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = ReferenceModel(model_dir, aux_layer_ids)
+    server = ReferenceServer(model, dump_dir, fault, delay_s, test_hooks)
+    try:
+        asyncio.run(serve(server, host, port))
+    except KeyboardInterrupt:
+        pass
+    print("hsx reference server stopped", file=sys.stderr, flush=True)
+    return 0

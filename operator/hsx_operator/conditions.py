@@ -1,0 +1,85 @@
+"""The ExtractionJob's conditions (metav1.Condition) from its phase. Pure functions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Literal
+
+from hsx_operator.status import Condition, ExtractionJobStatus
+
+
+def rfc3339(t: datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def set_condition(
+    conditions: Sequence[Condition],
+    type_: str,
+    status: Literal["True", "False"],
+    reason: str,
+    message: str,
+    generation: int,
+    now: datetime,
+) -> list[Condition]:
+    """Replace one condition; keep lastTransitionTime when its status did not change."""
+    out: list[Condition] = []
+    found = False
+    for c in conditions:
+        if c.type != type_:
+            out.append(c)
+            continue
+        found = True
+        since = c.lastTransitionTime if c.status == status else rfc3339(now)
+        out.append(
+            Condition(
+                type=type_,
+                status=status,
+                reason=reason,
+                message=message,
+                observedGeneration=generation,
+                lastTransitionTime=since,
+            )
+        )
+    if not found:
+        out.append(
+            Condition(
+                type=type_,
+                status=status,
+                reason=reason,
+                message=message,
+                observedGeneration=generation,
+                lastTransitionTime=rfc3339(now),
+            )
+        )
+    return out
+
+
+def conditions_for(
+    status: ExtractionJobStatus, stalled: bool, server_ready: bool, generation: int, now: datetime
+) -> list[Condition]:
+    phase, reason, msg = status.phase, status.reason or status.phase, status.message
+    conds = list(status.conditions)
+
+    def put(type_: str, on: bool, why: str, text: str = "") -> None:
+        nonlocal conds
+        conds = set_condition(conds, type_, "True" if on else "False", why, text, generation, now)
+
+    running = phase in ("Pending", "Starting", "Running")
+    put("Reconciling", running, reason if running else phase, msg if running else "")
+    put(
+        "Stalled",
+        stalled or phase == "Failed",
+        reason if (stalled or phase == "Failed") else "Progressing",
+        msg if stalled or phase == "Failed" else "",
+    )
+    put("ServerReady", server_ready, "ServerReady" if server_ready else (reason if running else phase))
+    put(
+        "Succeeded",
+        phase == "Succeeded",
+        reason if phase == "Succeeded" else phase,
+        msg if phase == "Succeeded" else "",
+    )
+    put("Failed", phase == "Failed", reason if phase == "Failed" else phase, msg if phase == "Failed" else "")
+    put("Suspended", phase == "Suspended", reason if phase == "Suspended" else phase)
+    return conds

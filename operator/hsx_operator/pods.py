@@ -1,0 +1,149 @@
+"""What a Job and its pods say, read from their plain camelCase dicts. Pure functions, no I/O."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from hsx_extractor.contract import EXIT_PERMANENT, ProgressReport
+from hsx_operator.desired import EXTRACTOR_CONTAINER, SERVER_CONTAINER
+from hsx_operator.status import Reason
+
+COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+# Container waiting reasons that mean the pod cannot start without someone's help.
+STUCK_WAITING = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "ErrImageNeverPull",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "CrashLoopBackOff",
+    }
+)
+
+
+def report_from(data: Any) -> ProgressReport | None:
+    """An extractor's progress report from its decoded JSON; None when it is not one."""
+    if not isinstance(data, Mapping):
+        return None
+    try:
+        return ProgressReport.model_validate(data)
+    except ValidationError:
+        return None
+
+
+def parse_report(text: str | bytes) -> ProgressReport | None:
+    """An extractor's progress report from its JSON text; None when it is not one."""
+    try:
+        return report_from(json.loads(text))
+    except ValueError:
+        return None
+
+
+def job_finished(job: Mapping[str, Any]) -> bool:
+    """The Job controller has ended the Job (Complete or Failed)."""
+    return job_condition(job, "Complete") is not None or job_condition(job, "Failed") is not None
+
+
+def job_condition(job: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
+    for c in job.get("status", {}).get("conditions") or []:
+        if c.get("type") == type_ and c.get("status") == "True":
+            return c  # type: ignore[no-any-return]
+    return None
+
+
+def container_status(pod: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
+    st = pod.get("status", {})
+    for c in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
+        if c.get("name") == name:
+            return c  # type: ignore[no-any-return]
+    return None
+
+
+def replica_index(pod: Mapping[str, Any]) -> int:
+    meta = pod.get("metadata", {})
+    raw = (meta.get("annotations") or {}).get(COMPLETION_INDEX_ANNOTATION) or (meta.get("labels") or {}).get(
+        COMPLETION_INDEX_ANNOTATION, "0"
+    )
+    try:
+        return int(raw)
+    except ValueError:
+        return 0
+
+
+def is_active(pod: Mapping[str, Any]) -> bool:
+    return pod.get("status", {}).get("phase") in ("Pending", "Running", None) and not pod.get(
+        "metadata", {}
+    ).get("deletionTimestamp")
+
+
+def server_ready(pod: Mapping[str, Any]) -> bool:
+    cs = container_status(pod, SERVER_CONTAINER)
+    return bool(cs and cs.get("started") and cs.get("ready") and "running" in (cs.get("state") or {}))
+
+
+def pod_problem(pod: Mapping[str, Any], events: Sequence[Mapping[str, Any]]) -> tuple[str, str] | None:
+    """Why a pod cannot make progress: (reason, message), or None."""
+    name = pod.get("metadata", {}).get("name", "?")
+    st = pod.get("status", {})
+    for c in st.get("conditions") or []:
+        if (
+            c.get("type") == "PodScheduled"
+            and c.get("status") == "False"
+            and c.get("reason") == "Unschedulable"
+        ):
+            return Reason.UNSCHEDULABLE, f"pod {name}: {c.get('message', '')}".strip()
+    for container in (SERVER_CONTAINER, EXTRACTOR_CONTAINER):
+        cs = container_status(pod, container)
+        waiting = ((cs or {}).get("state") or {}).get("waiting") or {}
+        reason = waiting.get("reason", "")
+        if reason in STUCK_WAITING:
+            if reason == "CrashLoopBackOff" and container == SERVER_CONTAINER:
+                restarts = (cs or {}).get("restartCount", 0)
+                return (
+                    Reason.SERVER_CRASH_LOOPING,
+                    f"pod {name}: server restarted {restarts} times: {waiting.get('message', '')}".strip(),
+                )
+            return reason, f"pod {name} container {container}: {waiting.get('message', reason)}"
+    if st.get("phase") == "Pending" and not pod_scheduled(pod):
+        for ev in reversed(events):
+            if ev.get("reason") == "FailedScheduling":
+                return Reason.UNSCHEDULABLE, f"pod {name}: {ev.get('message', '')}"
+    return None
+
+
+def terminated_progress(pod: Mapping[str, Any]) -> ProgressReport | None:
+    """The final progress the extractor left as its termination message, if it is one."""
+    cs = container_status(pod, EXTRACTOR_CONTAINER)
+    text = (((cs or {}).get("state") or {}).get("terminated") or {}).get("message")
+    return parse_report(text) if text else None
+
+
+def exit_summary(pods: Sequence[Mapping[str, Any]]) -> str:
+    """Last extractor exit of a failed pod, for the Failed message."""
+    for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("creationTimestamp") or "", reverse=True):
+        cs = container_status(pod, EXTRACTOR_CONTAINER)
+        term = ((cs or {}).get("state") or {}).get("terminated")
+        if term and term.get("exitCode"):
+            code = term["exitCode"]
+            kind = "permanent failure" if code == EXIT_PERMANENT else "failure"
+            final = terminated_progress(pod)
+            if final is not None:
+                detail = str(final.lastError or term.get("reason", ""))
+            else:
+                lines = (term.get("message") or "").strip().splitlines()
+                detail = lines[-1] if lines else term.get("reason", "")
+            return f"extractor exited {code} ({kind}) in pod {pod['metadata'].get('name')}: {detail}"[:2000]
+    return ""
+
+
+def pod_scheduled(pod: Mapping[str, Any]) -> bool:
+    return any(
+        c.get("type") == "PodScheduled" and c.get("status") == "True"
+        for c in pod.get("status", {}).get("conditions") or []
+    )

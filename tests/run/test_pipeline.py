@@ -1,0 +1,398 @@
+"""Whole runs, in process, against the real reference server and a real store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from hsx_extractor import protocol
+from hsx_extractor.config import ExtractConfig, OutputSpec
+from hsx_extractor.contract import EXIT_OK, EXIT_PERMANENT, ProgressReport
+from hsx_extractor.protocol import dump_bytes_bound
+from hsx_extractor.run.dataset import Prepared, iter_lines, read_samples
+from hsx_extractor.run.extraction import Extraction, RunResult
+from hsx_extractor.run.progress import Progress, bound_port, start_progress_server
+from hsx_extractor.run.runner import extract
+from hsx_extractor.run.tokens import ChatTokenizer
+from hsx_extractor.storage.shard_format import SampleRecord
+from hsx_extractor.storage.store import open_store
+from hsx_extractor.tools.tinymodel import example_dataset_path
+from hsx_extractor.tools.verify import run_verify
+
+from .helpers import RefServer, base_config, chat_rows, write_jsonl
+
+
+def run(cfg: dict[str, Any]) -> tuple[int, RunResult | None, Progress]:
+    config = ExtractConfig.model_validate(cfg)
+    progress = Progress(config.runId, config.replicaIndex)
+    code, result = asyncio.run(extract(config, progress))
+    return code, result, progress
+
+
+def stored(cfg: dict[str, Any]) -> tuple[dict[int, SampleRecord], dict[int, str]]:
+    """Every stored sample and quarantine reason of a run, read back; each index at most once."""
+    store = open_store(OutputSpec.model_validate(cfg["output"]), cfg["runId"])
+    samples: dict[int, SampleRecord] = {}
+    quarantined: dict[int, str] = {}
+    for k in sorted(store.committed_shards()):
+        commit = store.get_commit(k)
+        assert commit is not None
+        header = store.read_header(k)
+        for entry in header.samples:
+            assert entry.index not in samples
+            samples[entry.index] = store.read_sample(k, header, entry)
+        for q in commit.quarantine:
+            assert q.index not in quarantined and q.index not in samples
+            quarantined[q.index] = q.reason
+    return samples, quarantined
+
+
+def expected_tokens(tokenizer: ChatTokenizer, dataset: Path, max_length: int) -> dict[int, Prepared]:
+    return {
+        s.index: s
+        for s in read_samples(iter_lines(str(dataset)), tokenizer, max_length)
+        if isinstance(s, Prepared)
+    }
+
+
+def verified(cfg: dict[str, Any]) -> dict[str, Any]:
+    report = run_verify(str(Path(cfg["output"]["uri"]) / cfg["runId"]))
+    assert report.ok, report.summary_text()
+    return report.to_dict()
+
+
+def test_bundled_dataset_end_to_end(tmp_path: Path, ref_server: RefServer, tokenizer: ChatTokenizer) -> None:
+    cfg = base_config(tmp_path, ref_server, example_dataset_path(), dataset__maxLength=256)
+    code, result, progress = run(cfg)
+    assert code == EXIT_OK and result is not None and result.manifest is not None
+    samples, quarantined = stored(cfg)
+    want = expected_tokens(tokenizer, example_dataset_path(), 256)
+    duplicate = next(i for i, r in quarantined.items() if r == "duplicate_id")
+    assert set(samples) == set(want) - {duplicate}
+    for index, rec in samples.items():
+        assert rec.input_ids.tolist() == want[index].input_ids.tolist()
+        assert rec.loss_mask.tolist() == want[index].loss_mask.tolist()
+        assert rec.sample_id == want[index].sample_id
+        assert rec.aux_hidden_states.shape == (rec.seq_len, 3 * 64) and rec.hidden_states.shape == (
+            rec.seq_len,
+            64,
+        )
+    assert sorted(quarantined.values()) == sorted(
+        [
+            "invalid_json",
+            "invalid_utf8",
+            "empty_messages",
+            "unknown_role",
+            "missing_role",
+            "non_string_content",
+            "ids_out_of_vocab",
+            "mask_length_mismatch",
+            "no_assistant_tokens",
+            "too_long",
+            "duplicate_id",
+        ]
+    )
+    run_info = result.manifest["run"]
+    assert run_info["tokenizerFingerprint"] == tokenizer.fingerprint
+    assert run_info["captureLayers"] == [2, 4, 5] and run_info["hiddenSize"] == 64
+    assert run_info["hsxVersion"] and run_info["model"]
+    report = verified(cfg)
+    assert report["samples"] == len(samples) and report["quarantined"] == 11 and report["duplicates"] == 0
+    assert progress.tokens_done == sum(r.seq_len for r in samples.values())
+    # Every dump was consumed and deleted.
+    assert not [p for p in ref_server.dump_dir.iterdir() if p.name.startswith("hsx-run-")]
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [
+        ("swap", "id_mismatch"),
+        ("drop", "no_dump"),
+        ("truncate", "length_mismatch"),
+        ("add_bos", "id_mismatch"),
+        ("nan", "non_finite"),
+        ("error", "server_error"),
+    ],
+)
+def test_misbehaving_server_ends_in_the_right_reason(
+    tmp_path: Path, ref_server: RefServer, fault: str, reason: str
+) -> None:
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(9))
+    ref_server.set_fault(fault, every=3)
+    cfg = base_config(
+        tmp_path,
+        ref_server,
+        dataset,
+        run_id=f"f-{fault.replace('_', '')}",
+        validation__dumpTimeoutSeconds=0.5,
+    )
+    code, result, progress = run(cfg)
+    assert code == EXIT_OK and result is not None and result.manifest is not None
+    samples, quarantined = stored(cfg)
+    assert quarantined == {0: reason, 3: reason, 6: reason}
+    assert sorted(samples) == [1, 2, 4, 5, 7, 8]
+    assert progress.quarantined == {reason: 3}
+    verified(cfg)
+    if fault == "drop":
+        # A dump that never came was retried (maxRetries 1), with a new rid each time.
+        faulted = ref_server.stats()["faulted"]
+        assert len(faulted) == 6 and len(set(faulted)) == 6
+        assert {protocol.parse_rid(r)[2] for r in faulted} == {0, 1}
+
+
+def test_retry_recovers_a_dropped_dump(tmp_path: Path, ref_server: RefServer) -> None:
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(6))
+    ref_server.set_fault("drop", every=2, first_attempt_only=True)
+    cfg = base_config(tmp_path, ref_server, dataset, validation__dumpTimeoutSeconds=0.5)
+    code, _, _ = run(cfg)
+    assert code == EXIT_OK
+    samples, quarantined = stored(cfg)
+    assert quarantined == {} and sorted(samples) == list(range(6))
+    assert ref_server.stats()["requests"] == 6 + 3
+
+
+def test_mismatch_gate_stops_the_run_early(tmp_path: Path, ref_server: RefServer) -> None:
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(80))
+    ref_server.set_fault("truncate", every=2)
+    cfg = base_config(
+        tmp_path,
+        ref_server,
+        dataset,
+        concurrency=2,
+        validation__maxMismatchRate=0.2,
+        validation__gateWindow=10,
+        validation__gateMinSamples=6,
+    )
+    code, result, progress = run(cfg)
+    assert code == EXIT_PERMANENT and result is None
+    assert progress.state == "failed"
+    assert re.search(r"mismatch gate: \d+ of the last \d+ samples mismatched", progress.last_error or "")
+    assert ref_server.stats()["requests"] < 40  # stopped minutes in, not after the whole dataset
+    assert not (tmp_path / "out" / "run" / "manifest.json").exists()
+
+
+def test_on_mismatch_fail_stops_at_the_first(tmp_path: Path, ref_server: RefServer) -> None:
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(12))
+    ref_server.set_fault("nan", every=5)
+    cfg = base_config(tmp_path, ref_server, dataset, validation__onMismatch="fail")
+    code, _, progress = run(cfg)
+    assert code == EXIT_PERMANENT
+    assert "onMismatch=fail" in (progress.last_error or "") and "non_finite" in (progress.last_error or "")
+
+
+def test_requests_are_concurrent_at_the_server(tmp_path: Path, ref_server: RefServer) -> None:
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(16))
+    ref_server.set_fault(None, delay_ms=100)
+    cfg = base_config(tmp_path, ref_server, dataset, concurrency=4)
+    assert run(cfg)[0] == EXIT_OK
+    stats = ref_server.stats()
+    assert stats["requests"] == 16
+    assert 1 < stats["maxInFlight"] <= 4
+
+
+def test_progress_and_metrics_serve_the_run_numbers(tmp_path: Path, ref_server: RefServer) -> None:
+    rows: list[Any] = [*chat_rows(10), '{"id": "broken', {"id": "e", "messages": []}]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    ref_server.set_fault("nan", every=4, delay_ms=50)
+    cfg = ExtractConfig.model_validate(base_config(tmp_path, ref_server, dataset, concurrency=2))
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any], str, RunResult]:
+        progress = Progress(cfg.runId, cfg.replicaIndex)
+        runner = await start_progress_server(progress, "127.0.0.1", 0)
+        base = f"http://127.0.0.1:{bound_port(runner)}"
+        try:
+            async with aiohttp.ClientSession() as http:
+                task = asyncio.create_task(Extraction(cfg, progress).run())
+                while progress.samples_done < 3 and not task.done():
+                    await asyncio.sleep(0.02)
+                async with http.get(f"{base}/progress") as r:
+                    during = await r.json()
+                result = await task
+                async with http.get(f"{base}/progress") as r:
+                    after = await r.json()
+                async with http.get(f"{base}/metrics") as r:
+                    metrics = await r.text()
+        finally:
+            await runner.cleanup()
+        return during, after, metrics, result
+
+    during, after, metrics, result = asyncio.run(scenario())
+    assert during["state"] == "running" and 3 <= during["samplesDone"] < 12 and during["samplesTotal"] == 12
+    assert set(after) == set(ProgressReport.model_fields)
+    samples, _ = stored(base_config(tmp_path, ref_server, dataset))
+    tokens = sum(r.seq_len for r in samples.values())
+    bytes_stored = sum(c.bytes_stored for c in result.commits)
+    assert after["state"] == "succeeded" and after["runId"] == "run" and after["replicaIndex"] == 0
+    assert after["samplesTotal"] == after["samplesDone"] == 12
+    assert after["samplesQuarantined"] == 5
+    assert after["quarantinedByReason"] == {"empty_messages": 1, "invalid_json": 1, "non_finite": 3}
+    assert after["tokensDone"] == tokens and after["tokensPerSecond"] > 0
+    assert after["shardsCommitted"] == after["shardsTotal"] == 1
+    assert after["bytesCommitted"] == bytes_stored > 0
+    assert after["requestsInFlight"] == 0 and after["etaSeconds"] == 0
+    assert "non_finite" in after["lastError"]
+    assert "hsx_samples_done_total 7.0" in metrics
+    assert 'hsx_samples_quarantined_total{reason="non_finite"} 3.0' in metrics
+    assert 'hsx_samples_quarantined_total{reason="invalid_json"} 1.0' in metrics
+    assert f"hsx_tokens_done_total {float(tokens)}" in metrics
+    assert f"hsx_bytes_committed_total {float(bytes_stored)}" in metrics
+    assert "hsx_shards_committed_total 1.0" in metrics
+    assert "hsx_requests_in_flight 0.0" in metrics
+
+
+def test_tokenizer_fingerprint_mismatch_fails_at_start(tmp_path: Path, ref_server: RefServer) -> None:
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(3))
+    cfg = base_config(tmp_path, ref_server, dataset, dataset__expectedTokenizerFingerprint="0" * 64)
+    code, _, progress = run(cfg)
+    assert code == EXIT_PERMANENT
+    assert "tokenizer fingerprint mismatch" in (progress.last_error or "")
+    assert ref_server.stats()["requests"] == 0
+
+
+def test_final_progress_is_left_as_the_termination_message(tmp_path: Path, ref_server: RefServer) -> None:
+    """What the operator reads after the pod is gone; written on success and on failure."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", [*chat_rows(4), "not json"])
+    message = tmp_path / "termination-log"
+    code, _, _ = run(base_config(tmp_path, ref_server, dataset, terminationMessagePath=str(message)))
+    final = json.loads(message.read_text())
+    assert code == EXIT_OK and final["state"] == "succeeded"
+    assert final["samplesDone"] == final["samplesTotal"] == 5 and final["samplesQuarantined"] == 1
+    assert final["shardsCommitted"] == final["shardsTotal"] and final["bytesCommitted"] > 0
+
+    failed = base_config(
+        tmp_path,
+        ref_server,
+        dataset,
+        "other",
+        terminationMessagePath=str(message),
+        dataset__expectedTokenizerFingerprint="0" * 64,
+    )
+    assert run(failed)[0] == EXIT_PERMANENT
+    final = json.loads(message.read_text())
+    assert final["state"] == "failed" and "tokenizer fingerprint mismatch" in final["lastError"]
+    assert len(message.read_bytes()) <= 4096
+
+
+def test_server_with_another_vocab_fails_at_start(tmp_path: Path, ref_server: RefServer) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(ref_server.model, model)
+    config = json.loads((model / "config.json").read_text())
+    config["vocab_size"] = 1000
+    (model / "config.json").write_text(json.dumps(config))
+    cfg = base_config(
+        tmp_path, ref_server, write_jsonl(tmp_path / "d.jsonl", chat_rows(3)), modelPath=str(model)
+    )
+    code, _, progress = run(cfg)
+    assert code == EXIT_PERMANENT and "vocab size 512" in (progress.last_error or "")
+    assert ref_server.stats()["requests"] == 0
+
+
+def test_rerun_is_a_no_op_and_other_settings_are_refused(tmp_path: Path, ref_server: RefServer) -> None:
+    cfg = base_config(tmp_path, ref_server, write_jsonl(tmp_path / "d.jsonl", chat_rows(4)))
+    assert run(cfg)[0] == EXIT_OK
+    manifest = (tmp_path / "out" / "run" / "manifest.json").read_bytes()
+    ref_server.set_fault(None)  # resets the request count
+    code, result, progress = run(cfg)
+    assert code == EXIT_OK and result is not None and result.shards_done == []
+    assert ref_server.stats()["requests"] == 0 and progress.samples_done == progress.samples_resumed == 4
+    assert (tmp_path / "out" / "run" / "manifest.json").read_bytes() == manifest
+    code, _, progress = run({**cfg, "dataset": {**cfg["dataset"], "maxLength": 100}})
+    assert code == EXIT_PERMANENT and "maxLength: stored 512, now 100" in (progress.last_error or "")
+
+
+def test_replicas_split_the_shards_and_the_last_one_finalizes(tmp_path: Path, ref_server: RefServer) -> None:
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(30, words=40))
+    first = base_config(tmp_path, ref_server, dataset, replicaCount=2, replicaIndex=1)
+    code, result, _ = run(first)
+    assert code == EXIT_OK and result is not None and result.manifest is None
+    plan = json.loads((tmp_path / "out" / "run" / "plan.json").read_text())
+    assert len(plan["shards"]) >= 2
+    assert result.shards_done == [k for k in range(len(plan["shards"])) if k % 2 == 1]
+    code, result, _ = run({**first, "replicaIndex": 0})
+    assert code == EXIT_OK and result is not None and result.manifest is not None
+    samples, quarantined = stored(first)
+    assert sorted(samples) == list(range(30)) and not quarantined
+    verified(first)
+
+
+def test_job_completion_index_picks_the_replica(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cfg = ExtractConfig.model_validate(
+        {"runId": "r", "dataset": {"uri": "d"}, "output": {"uri": str(tmp_path)}, "replicaCount": 3}
+    )
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "2")
+    assert Extraction(cfg).cfg.replicaIndex == 2
+    explicit = ExtractConfig.model_validate({**cfg.model_dump(), "replicaIndex": 1})
+    assert Extraction(explicit).cfg.replicaIndex == 1
+
+
+@pytest.mark.s3
+def test_extracts_to_real_s3(tmp_path: Path, ref_server: RefServer, s3_env: Any, s3_bucket: str) -> None:
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(5))
+    output = {
+        "uri": f"s3://{s3_bucket}/runs",
+        "endpoint": s3_env.endpoint,
+        "pathStyle": True,
+        "shardTargetBytes": 1 << 20,
+    }
+    cfg = {**base_config(tmp_path, ref_server, dataset), "output": output}
+    code, result, _ = run(cfg)
+    assert code == EXIT_OK and result is not None and result.manifest is not None
+    assert result.manifest["samples"] == 5
+    report = run_verify(f"s3://{s3_bucket}/runs/run", output=OutputSpec.model_validate(output))
+    assert report.ok, report.summary_text()
+    samples, _ = stored(cfg)
+    assert sorted(samples) == list(range(5))
+
+
+def test_backpressure_holds_requests_while_the_dump_dir_is_full(
+    tmp_path: Path, ref_server: RefServer
+) -> None:
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(5))
+    cfg = ExtractConfig.model_validate(base_config(tmp_path, ref_server, dataset, dumpDirMaxBytes=1 << 20))
+    blocker = ref_server.dump_dir / ".someone-elses-partial-dump"
+    blocker.write_bytes(b"\0" * ((1 << 20) + 1))
+
+    async def scenario() -> tuple[int, int, RunResult]:
+        progress = Progress(cfg.runId, cfg.replicaIndex)
+        task = asyncio.create_task(Extraction(cfg, progress).run())
+        while progress.state != "running":
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(1.0)
+        held = (ref_server.stats()["requests"], progress.samples_done)
+        blocker.unlink()  # shm drained: sending resumes
+        return *held, await task
+
+    try:
+        requests_while_full, done_while_full, result = asyncio.run(scenario())
+    finally:
+        blocker.unlink(missing_ok=True)
+    assert (requests_while_full, done_while_full) == (0, 0)
+    assert result.manifest is not None and result.manifest["samples"] == 5
+
+
+def test_backpressure_counts_dumps_of_requests_in_flight_before_they_exist(
+    tmp_path: Path, ref_server: RefServer, tokenizer: Any
+) -> None:
+    """Room for the dumps of every request at the server is reserved up front, so the dump dir can
+    never pass dumpDirMaxBytes even when all of them finish at once."""
+    rows = chat_rows(12, words=120)
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    limit = 1 << 20
+    cfg = ExtractConfig.model_validate(
+        base_config(tmp_path, ref_server, dataset, dumpDirMaxBytes=limit, concurrency=16)
+    )
+    lengths = [len(tokenizer.render(row["messages"])[0]) for row in rows]
+    smallest = dump_bytes_bound(min(lengths), 64, 3)
+    assert 1 < limit // smallest < cfg.concurrency  # the limit, not the concurrency, must bind
+    ref_server.set_fault(None, delay_ms=150)
+    code, result, _ = run(cfg.model_dump())
+    assert code == EXIT_OK and result is not None and result.manifest is not None
+    assert result.manifest["samples"] == 12
+    assert 1 < ref_server.stats()["maxInFlight"] <= limit // smallest

@@ -1,0 +1,217 @@
+"""Dumps against what was sent: each mismatch reason, on a plain directory of dumps."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hsx_extractor.protocol import DumpMeta
+from hsx_extractor.reasons import Reason
+from hsx_extractor.run import collect, protocol
+from hsx_extractor.run.collect import Collector, Found, ServerRefused
+from hsx_extractor.run.validate import DumpShapeError, Mismatch, MismatchGate, count_non_finite
+
+H, LAYERS = 8, (2, 4, 5)
+
+
+def states(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    # Finite bf16 bit patterns: sign and exponent below all-ones.
+    rng = np.random.default_rng(seed)
+    return (
+        rng.integers(0, 0x7F00, size=(rows, cols)) | (rng.integers(0, 2, size=(rows, cols)) << 15)
+    ).astype(np.uint16)
+
+
+def write(
+    d: Path,
+    rid: str,
+    ids: list[int],
+    rows: int | None = None,
+    meta_rid: str | None = None,
+    hidden: int = H,
+    seed: int = 0,
+) -> None:
+    n = len(ids) if rows is None else rows
+    meta = DumpMeta(meta_rid or rid, len(ids), hidden, LAYERS, "test")
+    path = protocol.write_dump(
+        d, meta, np.asarray(ids, np.int32), states(n, 3 * hidden, seed), states(n, hidden, seed + 1)
+    )
+    if meta_rid:  # another request's dump, found under this rid's name
+        path.rename(protocol.dump_path(d, rid))
+
+
+def checked(d: Path, rid: str, sent: list[int]) -> np.ndarray | Mismatch:
+    arrival = collect.look(d, rid)
+    assert arrival is not None
+    got = collect.check_collected(arrival, rid, np.asarray(sent, np.int32), H, len(LAYERS))
+    return got if isinstance(got, Mismatch) else got.hidden_states
+
+
+def test_exact_dump_is_accepted(tmp_path: Path) -> None:
+    write(tmp_path, "r1", [1, 2, 3])
+    got = checked(tmp_path, "r1", [1, 2, 3])
+    assert isinstance(got, np.ndarray) and got.shape == (3, H)
+
+
+@pytest.mark.parametrize(
+    ("ids", "rows", "meta_rid", "reason"),
+    [
+        ([1, 2, 4], None, None, Reason.ID_MISMATCH),  # other ids
+        ([9, 1, 2, 3], None, None, Reason.ID_MISMATCH),  # a BOS added
+        ([1, 2], None, None, Reason.ID_MISMATCH),  # ids truncated
+        ([1, 2, 3], 2, None, Reason.LENGTH_MISMATCH),  # rows truncated
+        ([1, 2, 3], 4, None, Reason.LENGTH_MISMATCH),  # rows padded
+        ([1, 2, 3], None, "r-other", Reason.ID_MISMATCH),  # another request's dump under this name
+    ],
+)
+def test_mismatches(
+    tmp_path: Path, ids: list[int], rows: int | None, meta_rid: str | None, reason: Reason
+) -> None:
+    write(tmp_path, "r1", ids, rows, meta_rid)
+    got = checked(tmp_path, "r1", [1, 2, 3])
+    assert isinstance(got, Mismatch) and got.reason == reason and got.detail
+
+
+@pytest.mark.parametrize("bits", [0x7FC0, 0xFFC1, 0x7F80, 0xFF80])  # NaN, -NaN, +Inf, -Inf
+def test_non_finite(tmp_path: Path, bits: int) -> None:
+    meta = DumpMeta("r1", 2, H, LAYERS, "test")
+    final = states(2, H)
+    final[1, 3] = bits
+    protocol.write_dump(tmp_path, meta, np.asarray([1, 2], np.int32), states(2, 3 * H), final)
+    got = checked(tmp_path, "r1", [1, 2])
+    assert isinstance(got, Mismatch) and got.reason == Reason.NON_FINITE
+
+
+def test_largest_finite_bf16_is_finite() -> None:
+    assert count_non_finite(np.array([0x7F7F, 0xFF7F, 0x0001, 0x8000], np.uint16)) == 0
+    assert count_non_finite(np.array([0x7F80, 0x7FFF, 0x1], np.uint16)) == 2
+
+
+def test_non_finite_count_is_the_same_across_chunk_edges() -> None:
+    bits = np.random.default_rng(5).integers(0, 1 << 16, (37, 23), dtype=np.uint16)
+    expected = int(np.count_nonzero((bits & 0x7F80) == 0x7F80))
+    assert expected > 0
+    for chunk in (1, 7, 64, 851, 10_000):
+        assert count_non_finite(bits, chunk=chunk) == expected
+    assert count_non_finite(np.empty((0, 4), np.uint16)) == 0
+
+
+def test_error_marker_is_server_error(tmp_path: Path) -> None:
+    protocol.write_error(tmp_path, "r1", "row_count", "expected 3 rows, got 2")
+    arrival = collect.look(tmp_path, "r1")
+    assert isinstance(arrival, ServerRefused) and arrival.reason == "row_count"
+    got = checked(tmp_path, "r1", [1, 2, 3])
+    assert isinstance(got, Mismatch) and got.reason == Reason.SERVER_ERROR and "row_count" in got.detail
+
+
+def test_damaged_dump_is_a_mismatch_not_a_crash(tmp_path: Path) -> None:
+    write(tmp_path, "r1", [1, 2, 3])
+    path = protocol.dump_path(tmp_path, "r1")
+    path.write_bytes(path.read_bytes()[:-10])
+    got = checked(tmp_path, "r1", [1, 2, 3])
+    assert isinstance(got, Mismatch) and got.reason == Reason.LENGTH_MISMATCH
+
+
+def test_other_shape_or_layers_is_fatal(tmp_path: Path) -> None:
+    write(tmp_path, "r1", [1, 2], hidden=16)
+    with pytest.raises(DumpShapeError, match="hidden size 16"):
+        checked(tmp_path, "r1", [1, 2])
+    write(tmp_path, "r2", [1, 2])
+    arrival = collect.look(tmp_path, "r2")
+    assert arrival is not None
+    sent = np.asarray([1, 2], np.int32)
+    assert not isinstance(collect.check_collected(arrival, "r2", sent, H, 3, LAYERS), Mismatch)
+    with pytest.raises(DumpShapeError, match=r"capture layers \[2, 4, 5\].*expects.*\[3, 5, 6\]"):
+        collect.check_collected(arrival, "r2", sent, H, 3, (3, 5, 6))
+
+
+def test_collector_correlates_by_rid_only(tmp_path: Path) -> None:
+    # Other rids' dumps, including a newer one, are never taken for ours.
+    write(tmp_path, "mine", [1, 2, 3], seed=1)
+    time.sleep(0.01)
+    write(tmp_path, "theirs", [1, 2, 3], seed=2)
+    got = asyncio.run(Collector(tmp_path).wait("mine", 1.0))
+    assert isinstance(got, Found) and got.dump.meta.rid == "mine" and got.path.name == "mine.safetensors"
+    assert asyncio.run(Collector(tmp_path).wait("nobody", 0.05)) is None
+
+
+def test_collector_waits_for_a_late_dump(tmp_path: Path) -> None:
+    async def scenario() -> Found | object:
+        waiter = asyncio.create_task(Collector(tmp_path, poll_max=0.01).wait("late", 5.0))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        write(tmp_path, "late", [4, 5])
+        return await waiter
+
+    got = asyncio.run(scenario())
+    assert isinstance(got, Found) and got.dump.input_ids.tolist() == [4, 5]
+
+
+def test_abandoned_rids_are_swept_when_they_arrive(tmp_path: Path) -> None:
+    c = Collector(tmp_path)
+    c.abandon("gone")
+    write(tmp_path, "gone", [1])
+    write(tmp_path, "kept", [1])
+    assert c.sweep() == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.safetensors"]
+
+
+def test_waiting_bytes_and_prefix_cleanup(tmp_path: Path) -> None:
+    write(tmp_path, "hsx-run-r0-aaa-1-a0", [1, 2])
+    write(tmp_path, "hsx-run-r1-bbb-1-a0", [1, 2])
+    total = sum(p.stat().st_size for p in tmp_path.iterdir())
+    assert collect.waiting_bytes(tmp_path) == total > 0
+    assert collect.remove_with_prefix(tmp_path, "hsx-run-r0-") == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["hsx-run-r1-bbb-1-a0.safetensors"]
+    assert collect.waiting_bytes(tmp_path / "missing") == 0
+
+
+def test_gate_trips_only_past_min_samples_and_rate() -> None:
+    gate = MismatchGate(max_rate=0.25, window=8, min_samples=4)
+    for bad in (True, True, True):
+        gate.record(bad)
+    assert gate.verdict() is None  # too few checked yet
+    gate.record(False)
+    assert "mismatch gate: 3 of the last 4" in (gate.verdict() or "")
+    ok = MismatchGate(max_rate=0.25, window=4, min_samples=4)
+    for bad in (True, False, False, False, False, False, False, True):
+        ok.record(bad)
+        assert ok.verdict() is None  # never more than 1 in 4
+    ok.record(True)
+    assert ok.verdict() is not None  # window now holds 2 of 4
+
+
+def test_sweep_removes_a_dead_processes_late_dumps(tmp_path: Path) -> None:
+    c = Collector(tmp_path, stale_prefix="hsx-run-r0-", own_prefix="hsx-run-r0-new-")
+    for rid in ("hsx-run-r0-old-3-a0", "hsx-run-r0-new-3-a0", "hsx-run-r1-xyz-3-a0", "other"):
+        write(tmp_path, rid, [1])
+    assert c.sweep() == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "hsx-run-r0-new-3-a0.safetensors",
+        "hsx-run-r1-xyz-3-a0.safetensors",
+        "other.safetensors",
+    ]
+
+
+def test_waiting_bytes_leaves_out_reserved_rids_and_dead_writers_partials(tmp_path: Path) -> None:
+    write(tmp_path, "hsx-run-r0-aaa-1-a0", [1, 2])
+    mine = tmp_path / "hsx-run-r0-aaa-1-a0.safetensors"
+    live = tmp_path / ".hsx-run-r0-aaa-2-a0.safetensors.123.partial"
+    live.write_bytes(b"x" * 100)
+    dead = tmp_path / ".hsx-run-r0-aaa-3-a0.safetensors.77.partial"
+    dead.write_bytes(b"x" * 1000)
+    old = time.time() - collect.STALE_PARTIAL_SECONDS - 5
+    os.utime(dead, (old, old))
+    assert protocol.rid_of_partial(live.name) == "hsx-run-r0-aaa-2-a0"
+    assert protocol.rid_of_partial("hsx-run-r0-aaa-1-a0.safetensors") is None
+    assert collect.waiting_bytes(tmp_path) == mine.stat().st_size + 100
+    assert collect.waiting_bytes(tmp_path, exclude_rids={"hsx-run-r0-aaa-1-a0"}) == 100
+    assert collect.waiting_bytes(tmp_path, exclude_rids={"hsx-run-r0-aaa-2-a0"}) == mine.stat().st_size
+    # The collector's sweep frees the dead writer's shm; a live partial is left to its writer.
+    assert Collector(tmp_path).sweep() == 1
+    assert not dead.exists() and live.exists() and mine.exists()

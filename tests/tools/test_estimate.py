@@ -1,0 +1,216 @@
+"""``hsx estimate``: the formula, and agreement with the bytes the shard format really produces."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from hsx_extractor.model import ModelConfigError, model_dims
+from hsx_extractor.storage import shard_format as shards
+from hsx_extractor.tools.estimate import (
+    DEFAULT_RATIOS,
+    EstimateError,
+    Rows,
+    add_estimate_command,
+    estimate_storage,
+    format_estimate,
+)
+
+H, K = 64, 3
+
+
+def random_records(n: int, seed: int = 0) -> list[shards.SampleRecord]:
+    rng = np.random.default_rng(seed)
+    records = []
+    for i in range(n):
+        length = int(rng.integers(3, 300))
+        # Activation-like bf16: normal values with per-channel scales, so the exponent plane compresses.
+        scales = rng.lognormal(0.0, 1.0, size=(K + 1) * H).astype(np.float32)
+        values = (rng.standard_normal((length, (K + 1) * H)).astype(np.float32) * scales).view(np.uint32)
+        bits = (values >> 16).astype(np.uint16)
+        records.append(
+            shards.SampleRecord(
+                index=i,
+                sample_id=f"chat-{i}",
+                input_ids=rng.integers(0, 50_000, length).astype(np.int32),
+                loss_mask=rng.integers(0, 2, length).astype(np.uint8),
+                aux_hidden_states=np.ascontiguousarray(bits[:, : K * H]),
+                hidden_states=np.ascontiguousarray(bits[:, K * H :]),
+            )
+        )
+    return records
+
+
+def shard_bytes(records: list[shards.SampleRecord], compression: str) -> tuple[int, int]:
+    """(object bytes of one shard holding ``records``, stored bytes of their hidden states)."""
+    encoded = [shards.encode_sample(r, shards.COMPRESSION_CODECS[compression]) for r in records]
+    header, _ = shards.layout_shard(0, [e.entry for e in encoded])
+    hidden = sum(t.length for e in encoded for t in e.entry.tensors if t.dtype == "BF16")
+    return len(header) + sum(len(e.payload) for e in encoded), hidden
+
+
+def rows_of(records: list[shards.SampleRecord]) -> Rows:
+    return Rows(tuple(r.seq_len for r in records), tuple(r.sample_id for r in records))
+
+
+def test_hidden_bytes_follow_the_formula() -> None:
+    rows = Rows.uniform(samples=10, tokens=20_480)
+    est = estimate_storage(
+        rows, hidden_size=7168, num_aux_layers=3, compression="none", shard_target_bytes=1 << 30
+    )
+    assert est.hidden_bytes == 20_480 * (3 + 1) * 7168 * 2
+    assert est.token_bytes >= 20_480 * 5
+    assert est.stored_bytes == est.raw_bytes
+
+
+def test_compressed_estimate_divides_hidden_states_only() -> None:
+    rows = Rows.uniform(samples=4, tokens=8192)
+    est = estimate_storage(rows, 4096, 3, "bf16-zstd", 1 << 30, ratio=1.6)
+    expected = -(-est.hidden_bytes * 10 // 16) + est.token_bytes + est.index_bytes
+    assert est.stored_bytes == expected
+    assert est.assumed_ratio == 1.6
+    assert estimate_storage(rows, 4096, 3, "bf16-zstd", 1 << 30).assumed_ratio == DEFAULT_RATIOS["bf16-zstd"]
+
+
+def test_uncompressed_estimate_matches_a_real_shard_within_half_a_percent() -> None:
+    records = random_records(40)
+    actual, _ = shard_bytes(records, "none")
+    est = estimate_storage(rows_of(records), H, K, "none", 1 << 30)
+    # The estimate also counts the commit record, plan and manifest: a few KiB at most.
+    assert 0 <= est.raw_bytes - actual <= 0.005 * actual, (est.raw_bytes, actual)
+
+
+def test_compressed_estimate_matches_a_real_shard_given_the_measured_ratio() -> None:
+    records = random_records(40, seed=1)
+    actual, hidden_stored = shard_bytes(records, "bf16-zstd")
+    raw_hidden = sum(r.aux_hidden_states.nbytes + r.hidden_states.nbytes for r in records)
+    ratio = raw_hidden / hidden_stored
+    assert 1.0 < ratio < 2.0  # the codec really compressed, and the raw low byte bounds it
+    est = estimate_storage(rows_of(records), H, K, "bf16-zstd", 1 << 30, ratio=ratio)
+    assert abs(est.stored_bytes - actual) <= 0.01 * actual, (est.stored_bytes, actual)
+
+
+def test_rejected_and_duplicate_rows_write_no_hidden_states() -> None:
+    rows = Rows(lengths=(100, None, 100, 50), ids=("a", None, "a", "b"))
+    est = estimate_storage(rows, 128, 3, "none", 1 << 30)
+    assert (est.samples, est.tokens, est.quarantined) == (2, 150, 2)
+    assert est.hidden_bytes == 150 * 4 * 128 * 2
+
+
+def test_shards_follow_the_plan_target() -> None:
+    rows = Rows.uniform(samples=100, tokens=100 * 1000)
+    per_sample = 1000 * ((K + 1) * H * 2 + 5)
+    est = estimate_storage(rows, H, K, "none", shard_target_bytes=10 * per_sample)
+    assert est.shards == 10
+
+
+def test_large_datasets_scale_the_index_instead_of_laying_out_every_shard() -> None:
+    small = estimate_storage(Rows.uniform(20_000, 20_000 * 512), H, K, "none", 1 << 24)
+    large = estimate_storage(Rows.uniform(80_000, 80_000 * 512), H, K, "none", 1 << 24)
+    assert large.hidden_bytes == 4 * small.hidden_bytes
+    assert 3.9 < large.index_bytes / small.index_bytes < 4.1
+
+
+@pytest.mark.parametrize(
+    ("compression", "ratio"), [("none", 1.3), ("bf16-zstd", 2.5), ("bf16-zstd", 0.9), ("lz4", None)]
+)
+def test_impossible_ratios_and_codecs_are_refused(compression: str, ratio: float | None) -> None:
+    with pytest.raises(EstimateError):
+        estimate_storage(Rows.uniform(1, 10), H, K, compression, 1 << 30, ratio=ratio)
+
+
+def test_model_dims_reads_text_config_of_multimodal_models() -> None:
+    kimi_like = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "text_config": {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "hidden_size": 7168,
+            "num_hidden_layers": 61,
+        },
+    }
+    dims = model_dims(kimi_like)
+    assert (dims.hidden_size, dims.num_layers) == (7168, 61)
+    flat = model_dims({"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32})
+    assert (flat.hidden_size, flat.num_layers, flat.architecture) == (4096, 32, "LlamaForCausalLM")
+    with pytest.raises(ModelConfigError, match="hidden_size"):
+        model_dims({"architectures": ["X"]})
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    parser = argparse.ArgumentParser(prog="hsx")
+    add_estimate_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    code = args.func(args)
+    return code, capsys.readouterr().out
+
+
+def test_cli_prints_raw_and_compressed_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run_cli(
+        ["estimate", "--tokens", "2048000", "--hidden-size", "7168", "--num-layers", "61"], capsys
+    )
+    assert code == 0
+    assert "raw" in out and "stored" in out and "1.45x" in out
+    code, out = run_cli(
+        [
+            "estimate",
+            "--tokens",
+            "2048000",
+            "--hidden-size",
+            "7168",
+            "--num-layers",
+            "61",
+            "--json",
+            "--compression",
+            "none",
+        ],
+        capsys,
+    )
+    body = json.loads(out)
+    assert body["hiddenBytes"] == 2_048_000 * 4 * 7168 * 2
+    assert body["storedBytes"] == body["rawBytes"]
+    assert body["samples"] == 1000
+
+
+def test_cli_counts_aux_layer_ids(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "estimate",
+        "--tokens",
+        "1000",
+        "--samples",
+        "1",
+        "--hidden-size",
+        "8",
+        "--num-layers",
+        "32",
+        "--json",
+    ]
+    _, out = run_cli([*argv, "--aux-layer-ids", "1", "15", "28", "30"], capsys)
+    assert json.loads(out)["auxLayers"] == 4
+
+
+def test_cli_explains_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run_cli(["estimate", "--tokens", "1000", "--hidden-size", "64"], capsys)
+    assert code == 2 and "--num-layers" in out
+    code, out = run_cli(
+        [
+            "estimate",
+            "--tokens",
+            "1000",
+            "--hidden-size",
+            "64",
+            "--num-layers",
+            "8",
+            "--compression-ratio",
+            "3",
+        ],
+        capsys,
+    )
+    assert code == 2 and "[1, 2]" in out
+
+
+def test_format_mentions_quarantined_rows() -> None:
+    est = estimate_storage(Rows((10, None), ("a", None)), H, K, "bf16-zstd", 1 << 30)
+    assert "1 rows that will be quarantined" in format_estimate(est)
