@@ -304,3 +304,10 @@ def test_condition_transition_time_moves_only_on_change() -> None:
 
 def test_human_duration() -> None:
     assert [human_duration(s) for s in (None, 5, 65, 3725, 90000)] == ["", "5s", "1m5s", "1h2m", "1d1h"]
+
+
+def test_replica_status_takes_its_fields_from_the_progress_contract() -> None:
+    from hsx_extractor.contract import ProgressReport
+    from hsx_operator.status import ReplicaStatus
+
+    assert set(ReplicaStatus.model_fields) - {"index", "pod"} <= set(ProgressReport.model_fields)
