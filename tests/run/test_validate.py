@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hsx_extractor import protocol
 from hsx_extractor.protocol import DumpMeta
 from hsx_extractor.reasons import Reason
-from hsx_extractor.run import collect, protocol
+from hsx_extractor.run import collect
 from hsx_extractor.run.collect import Collector, Found, ServerRefused
 from hsx_extractor.run.validate import DumpShapeError, Mismatch, MismatchGate, count_non_finite
 
