@@ -23,36 +23,18 @@ def set_condition(
     now: datetime,
 ) -> list[Condition]:
     """Replace one condition; keep lastTransitionTime when its status did not change."""
-    out: list[Condition] = []
-    found = False
-    for c in conditions:
-        if c.type != type_:
-            out.append(c)
-            continue
-        found = True
-        since = c.lastTransitionTime if c.status == status else rfc3339(now)
-        out.append(
-            Condition(
-                type=type_,
-                status=status,
-                reason=reason,
-                message=message,
-                observedGeneration=generation,
-                lastTransitionTime=since,
-            )
-        )
-    if not found:
-        out.append(
-            Condition(
-                type=type_,
-                status=status,
-                reason=reason,
-                message=message,
-                observedGeneration=generation,
-                lastTransitionTime=rfc3339(now),
-            )
-        )
-    return out
+    old = next((c for c in conditions if c.type == type_), None)
+    new = Condition(
+        type=type_,
+        status=status,
+        reason=reason,
+        message=message,
+        observedGeneration=generation,
+        lastTransitionTime=old.lastTransitionTime if old and old.status == status else rfc3339(now),
+    )
+    if old is None:
+        return [*conditions, new]
+    return [new if c.type == type_ else c for c in conditions]
 
 
 def conditions_for(
