@@ -39,6 +39,7 @@ venv: $(VENV)/.installed
 # Real kube-apiserver, controller-manager, scheduler, etcd, helm, kubectl, hadolint (cached by version).
 test-tools: venv
 	bash tests/cluster/build.sh
+	bash tests/engines/build_sglang.sh
 
 lint: venv
 	$(BIN)/ruff check .

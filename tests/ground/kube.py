@@ -106,6 +106,19 @@ class KubeCluster:
 
         return config.new_client_from_config(config_file=str(kubeconfig or self.kubeconfig))
 
+    def wait_crd_established(self, name: str, timeout: float = 60.0) -> None:
+        """Until the CRD is Established. ``kubectl wait`` fails at once (accessor error) while the
+        new CRD has no conditions yet, which a loaded control plane shows for a moment."""
+        deadline = time.monotonic() + timeout
+        jsonpath = '{.status.conditions[?(@.type=="Established")].status}'
+        while True:
+            got = self.kubectl("get", f"crd/{name}", "-o", f"jsonpath={jsonpath}", check=False)
+            if got.returncode == 0 and got.stdout.strip() == "True":
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"CRD {name} not Established after {timeout:.0f}s: {got.stdout} {got.stderr}")
+            time.sleep(0.2)
+
     def kubectl(
         self,
         *args: str,

@@ -83,7 +83,7 @@ def test_crd_is_served_and_its_schema_enforced(kube_cluster, namespace):
     }
     apply(kube_cluster, crd)
     try:
-        kube_cluster.kubectl("wait", "--for=condition=Established", f"crd/widgets.{group}", "--timeout=60s")
+        kube_cluster.wait_crd_established(f"widgets.{group}")
         good = {
             "apiVersion": f"{group}/v1",
             "kind": "Widget",

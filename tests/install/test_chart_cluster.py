@@ -48,7 +48,7 @@ def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 120.0, ever
 @pytest.fixture(scope="module")
 def crds(kube_cluster: Any) -> None:
     kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
-    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/extractionjobs.hsx.dev")
+    kube_cluster.wait_crd_established("extractionjobs.hsx.dev")
 
 
 @pytest.mark.parametrize(

@@ -57,7 +57,7 @@ def test_examples_use_the_secret_template_name() -> None:
 @pytest.fixture(scope="module")
 def crds(kube_cluster: Any) -> None:
     kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
-    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/extractionjobs.hsx.dev")
+    kube_cluster.wait_crd_established("extractionjobs.hsx.dev")
 
 
 def dry_run(kube_cluster: Any, namespace: str, doc: dict[str, Any]) -> Any:

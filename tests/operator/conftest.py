@@ -33,7 +33,7 @@ COPIES = 5
 def xj_crd(kube_cluster: Any) -> Any:
     """The ExtractionJob CRD from crds/, applied and established."""
     kube_cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-    kube_cluster.kubectl("wait", "--for=condition=Established", "crd/extractionjobs.hsx.dev", "--timeout=60s")
+    kube_cluster.wait_crd_established("extractionjobs.hsx.dev")
     return kube_cluster
 
 
