@@ -24,6 +24,7 @@ capture after it).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -186,3 +187,28 @@ def check_vocab(shape: ModelShape, tokenizer_vocab: int, model_path: str | None)
         raise ModelConfigError(
             f"the server reports vocab size {shape.vocab_size}, {Path(str(model_path)) / 'config.json'} says {own}"
         )
+
+
+# Files whose bytes say which weights a checkpoint holds, without reading the weights.
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def model_fingerprint(model_dir: str | Path | None) -> dict[str, str] | None:
+    """Digests of a model directory's config.json and of its weights (their index file, else each
+    weight file's name and size): what a resumed run checks to refuse a swapped model."""
+    if not model_dir or not (Path(model_dir) / "config.json").is_file():
+        return None
+    root = Path(model_dir)
+    weights = hashlib.sha256()
+    indexes = [root / name for name in _WEIGHT_INDEXES if (root / name).is_file()]
+    if indexes:
+        for index in indexes:
+            weights.update(index.name.encode() + b"\0" + index.read_bytes())
+    else:
+        for f in sorted(p for p in root.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file()):
+            weights.update(f"{f.name}\0{f.stat().st_size}\n".encode())
+    return {
+        "configJson": hashlib.sha256((root / "config.json").read_bytes()).hexdigest()[:16],
+        "weights": weights.hexdigest()[:16],
+    }

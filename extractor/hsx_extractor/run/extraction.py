@@ -19,7 +19,7 @@ import aiohttp
 
 from hsx_extractor import __version__
 from hsx_extractor.config import ExtractConfig
-from hsx_extractor.model import ModelShape, check_vocab, model_shape
+from hsx_extractor.model import ModelShape, check_vocab, model_fingerprint, model_shape
 from hsx_extractor.reasons import Reason
 from hsx_extractor.run import collect
 from hsx_extractor.run.dataset import (
@@ -33,13 +33,13 @@ from hsx_extractor.run.dataset import (
 )
 from hsx_extractor.run.engine import EngineContext, ShardState, ShardWorker
 from hsx_extractor.run.failures import permanent
-from hsx_extractor.run.plan import PLAN_NAME, PlanMismatch, ShardPlan, build_plan, replica_shards
+from hsx_extractor.run.plan import PLAN_NAME, PlanMismatch, ShardPlan, build_plan, hashed, replica_shards
 from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.server_client import ServerClient
 from hsx_extractor.run.tokens import ChatTokenizer, TokenizerError
 from hsx_extractor.run.validate import MismatchGate
 from hsx_extractor.storage.shard_format import ShardCommit
-from hsx_extractor.storage.store import Store, open_store
+from hsx_extractor.storage.store import Store, open_store, uri_stat
 
 SERVER_START_TIMEOUT_S = 600.0
 
@@ -108,19 +108,25 @@ class Extraction:
             "shardTargetBytes": self.cfg.output.shardTargetBytes,
             "hiddenSize": shape.hidden_size,
             "captureLayers": list(shape.capture_layers),
+            "model": model_fingerprint(self.cfg.modelPath),
         }
 
     def compute_plan(self, tok: ChatTokenizer, shape: ModelShape) -> ShardPlan:
-        """Pre-pass over the whole dataset: lengths and ids only, nothing is kept."""
+        """Pre-pass over the whole dataset: lengths, ids and row digests only, nothing else is kept."""
         d = self.cfg.dataset
+        where = dataset_endpoint(self.cfg)
         lengths: list[int | None] = []
         ids: list[str | None] = []
-        for item in read_samples(iter_lines(d.uri, dataset_endpoint(self.cfg)), tok, d.maxLength, d.format, d.limit):
+        digests: list[int] = []
+        for item in read_samples(
+            hashed(iter_lines(d.uri, where), digests), tok, d.maxLength, d.format, d.limit
+        ):
             accepted = isinstance(item, Prepared)
             lengths.append(item.length if isinstance(item, Prepared) else None)
             ids.append(item.sample_id if accepted else None)
         if not lengths:
             raise permanent(f"dataset {d.uri} has no rows")
+        source = uri_stat(d.uri, where)  # read through: it exists
         return build_plan(
             self.plan_identity(tok, shape),
             lengths,
@@ -128,7 +134,27 @@ class Extraction:
             len(shape.capture_layers),
             shape.hidden_size,
             self.cfg.output.shardTargetBytes,
+            digests[: len(lengths)],
+            source,
         )
+
+    def check_dataset_unchanged(self, plan: ShardPlan) -> None:
+        """Refuse to resume over a dataset that changed since the plan (cheap when its stat is the same)."""
+        d = self.cfg.dataset
+        where = dataset_endpoint(self.cfg)
+        if not plan.digests or uri_stat(d.uri, where) == plan.source:
+            return
+        digests: list[int] = []
+        for _ in hashed(iter_lines(d.uri, where), digests):
+            if len(digests) >= plan.rows:
+                break
+        changes = plan.changed_shards(digests)
+        if changes:
+            shown = "; ".join(changes[:10]) + (f"; and {len(changes) - 10} more" if len(changes) > 10 else "")
+            raise permanent(
+                f"dataset {d.uri} changed since this run was planned: {shown}. Resuming would mix old and "
+                "new rows; restore the dataset or start a new runId"
+            )
 
     async def load_plan(self, store: Store, tok: ChatTokenizer, shape: ModelShape) -> ShardPlan:
         identity = self.plan_identity(tok, shape)
@@ -141,6 +167,7 @@ class Extraction:
             plan.check_identity(identity)
         except (PlanMismatch, KeyError, TypeError, ValueError) as exc:
             raise permanent(f"{store.description}/{PLAN_NAME}: {exc}") from exc
+        await asyncio.to_thread(self.check_dataset_unchanged, plan)
         return plan
 
     # ---- the run -------------------------------------------------------------------------------

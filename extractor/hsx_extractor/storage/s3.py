@@ -262,6 +262,11 @@ class S3Backend:
             return None
         return int(resp["ContentLength"])
 
+    def stat(self, key: str) -> dict[str, Any]:
+        """Size and ETag of an object: what tells a changed object from an unchanged one."""
+        resp = self.retrier.call("HeadObject", key, lambda: self.client.head_object(Bucket=self.bucket, Key=key))
+        return {"size": int(resp["ContentLength"]), "etag": str(resp.get("ETag", "")).strip('"')}
+
     def put_if_absent(self, key: str, data: bytes) -> bool:
         return self.uploader.put_if_absent(key, data)
 

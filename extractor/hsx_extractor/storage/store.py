@@ -20,6 +20,7 @@ is written last, by :meth:`Store.finalize`, once every planned shard has a recor
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -348,6 +349,19 @@ def open_store(output: OutputSpec, run_id: str, spool_dir: str | None = None) ->
     if preflight is not None:  # S3: bad credentials or a missing bucket fail here, before any work
         preflight(store.layout.root + "/")
     return store
+
+
+def uri_stat(uri: str, where: S3Endpoint | None = None) -> dict[str, Any]:
+    """What changes when a file or object is rewritten: size and ETag (S3) or size and mtime (local)."""
+    if uri.startswith("s3://"):
+        from hsx_extractor.storage.s3 import S3Backend, split_object_uri
+        from hsx_extractor.storage.s3_client import S3Endpoint, S3TransferConfig, make_client
+
+        bucket, key = split_object_uri(uri)
+        config = S3TransferConfig()
+        return S3Backend(make_client(where or S3Endpoint(), config), bucket, config, "").stat(key)
+    st = os.stat(uri[len("file://") :] if uri.startswith("file://") else uri)
+    return {"size": st.st_size, "mtimeNs": st.st_mtime_ns}
 
 
 def open_uri_lines(uri: str, where: S3Endpoint | None = None) -> Iterator[bytes]:

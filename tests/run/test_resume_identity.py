@@ -1,0 +1,103 @@
+"""Resume trusts content, not names: a dataset edited in place or a swapped model refuses to resume,
+saying what changed; an untouched dataset (even with a new mtime) resumes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from hsx_extractor.config import ExtractConfig
+from hsx_extractor.contract import EXIT_OK, EXIT_PERMANENT
+from hsx_extractor.run.plan import ShardPlan, build_plan, row_digest
+from hsx_extractor.run.progress import Progress
+from hsx_extractor.run.runner import extract
+from tests.run.helpers import RefServer, base_config, chat_rows, write_jsonl
+
+
+def _run(cfg: dict[str, Any]) -> tuple[int, Progress]:
+    config = ExtractConfig.model_validate(cfg)
+    progress = Progress(config.runId, 0)
+    code, _ = asyncio.run(extract(config, progress))
+    return code, progress
+
+
+def _unfinish(run_dir: Path, shard: int) -> None:
+    """As if the run had been killed before ``shard`` committed: its record and the manifest gone."""
+    (run_dir / "commits" / f"shard-{shard:06d}.json").unlink()
+    (run_dir / "manifest.json").unlink()
+
+
+def _started(tmp_path: Path, ref_server: RefServer, **over: Any) -> tuple[dict[str, Any], Path, Path]:
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(90, words=40))
+    cfg = base_config(tmp_path, ref_server, dataset, run_id="resume", **over)
+    code, _ = _run(cfg)
+    assert code == EXIT_OK
+    run_dir = tmp_path / "out" / "resume"
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert len(plan["shards"]) >= 3 and all("digest" in s for s in plan["shards"]), plan
+    return cfg, dataset, run_dir
+
+
+def test_a_dataset_edited_in_place_refuses_to_resume_naming_the_shard(
+    tmp_path: Path, ref_server: RefServer
+) -> None:
+    cfg, dataset, run_dir = _started(tmp_path, ref_server)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    _unfinish(run_dir, len(plan["shards"]) - 1)
+    lines = dataset.read_text().splitlines()
+    second = plan["shards"][1]
+    row = second["start"]
+    lines[row] = json.dumps(
+        {
+            "id": f"s{row}",
+            "messages": [{"role": "user", "content": "edited"}, {"role": "assistant", "content": "new"}],
+        }
+    )
+    dataset.write_text("\n".join(lines) + "\n")
+    code, progress = _run(cfg)
+    assert code == EXIT_PERMANENT
+    error = progress.last_error or ""
+    assert f"shard 1 (rows {second['start']}-{second['stop'] - 1}) changed" in error, error
+    assert "shard 0 " not in error and "new runId" in error
+
+
+def test_an_untouched_dataset_with_a_new_mtime_resumes(tmp_path: Path, ref_server: RefServer) -> None:
+    cfg, dataset, run_dir = _started(tmp_path, ref_server)
+    _unfinish(run_dir, 0)
+    st = dataset.stat()
+    os.utime(dataset, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    code, progress = _run(cfg)
+    assert code == EXIT_OK, progress.last_error
+    assert (run_dir / "manifest.json").is_file()
+
+
+def test_a_swapped_model_refuses_to_resume_saying_which_file(tmp_path: Path, ref_server: RefServer) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(ref_server.model, model)
+    cfg, _, run_dir = _started(tmp_path, ref_server, modelPath=str(model))
+    _unfinish(run_dir, 0)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "rope_theta": 12345.0}))
+    code, progress = _run(cfg)
+    assert code == EXIT_PERMANENT
+    assert "model: stored" in (progress.last_error or "") and "configJson" in (progress.last_error or "")
+
+
+def test_changed_shards_names_changed_and_missing_rows() -> None:
+    rows = [f"row {i}".encode() for i in range(10)]
+    digests = [row_digest(r) for r in rows]
+    plan = build_plan({}, [5] * 10, [str(i) for i in range(10)], 3, 8, 3 * 5 * (4 * 8 * 2 + 5), digests)
+    assert plan.shards == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    again = ShardPlan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert again.changed_shards(digests) == []
+    edited = [*digests[:4], row_digest(b"other"), *digests[5:]]
+    assert again.changed_shards(edited) == ["shard 1 (rows 3-5) changed"]
+    assert again.changed_shards(digests[:8]) == [
+        "the dataset now has 8 rows, the plan 10",
+        "shard 2 (rows 6-8) changed",
+        "shard 3 (rows 9-9) changed",
+    ]
