@@ -158,6 +158,25 @@ def test_retry_recovers_a_dropped_dump(tmp_path: Path, ref_server: RefServer) ->
     assert ref_server.stats()["requests"] == 6 + 3
 
 
+def test_a_lost_response_is_retried_under_a_new_rid(tmp_path: Path, ref_server: RefServer) -> None:
+    """The server ran the request and wrote its dump, then the answer was lost. The retry must go
+    out under a new rid (SGLang rejects a rid it has seen: the sample would be quarantined as
+    server_error), and the abandoned rid's dump must not stay in shm."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(6))
+    ref_server.set_fault("drop_response", every=2, first_attempt_only=True)
+    cfg = base_config(tmp_path, ref_server, dataset, run_id="lost")
+    code, _, progress = run(cfg)
+    assert code == EXIT_OK, progress.last_error
+    samples, quarantined = stored(cfg)
+    assert quarantined == {} and sorted(samples) == list(range(6))
+    stats = ref_server.stats()
+    assert sorted(protocol.parse_rid(r)[1:] for r in stats["faulted"]) == [(0, 0), (2, 0), (4, 0)]
+    assert stats["requests"] == 6 + 3
+    # Consumed dumps went into shards, the cut requests' dumps were swept: nothing of the run is left.
+    assert not [p.name for p in ref_server.dump_dir.iterdir() if "lost" in p.name]
+    verified(cfg)
+
+
 def test_mismatch_gate_stops_the_run_early(tmp_path: Path, ref_server: RefServer) -> None:
     dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(80))
     ref_server.set_fault("truncate", every=2)

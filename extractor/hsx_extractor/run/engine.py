@@ -5,9 +5,10 @@ are between reading and their shard; tokenizing runs in a thread, store I/O in i
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -169,14 +170,18 @@ class ShardWorker:
         ids = sample.input_ids.tolist()
         outcome: Mismatch | None = None
         dump_bytes = dump_bytes_bound(len(ids), self.shape.hidden_size, len(self.shape.capture_layers))
-        for attempt in range(v.maxRetries + 1):
-            rid = make_rid(self.ctx.run_key, sample.index, attempt)
+        # Every request sent for this sample, HTTP retries included, has its own attempt number.
+        numbers = itertools.count()
+        for retry in range(v.maxRetries + 1):
+            rid = make_rid(self.ctx.run_key, sample.index, next(numbers))
             await self._reserve(rid, dump_bytes)
+            sent = [rid]
             try:
-                outcome = await self._attempt(sample, ids, rid, attempt)
+                outcome = await self._attempt(sample, ids, sent, numbers, retry)
             finally:
                 # Its dump is in the shard, removed, or abandoned (swept when it lands).
-                self._reserved.pop(rid, None)
+                for r in sent:
+                    self._reserved.pop(r, None)
             if outcome is None:
                 self.gate.record(False)
                 return
@@ -197,18 +202,30 @@ class ShardWorker:
         if verdict:
             raise permanent(verdict)
 
-    async def _attempt(self, sample: Prepared, ids: list[int], rid: str, attempt: int) -> Mismatch | None:
-        """One request for ``sample``: None once its record is in its shard, else why not."""
+    async def _attempt(
+        self, sample: Prepared, ids: list[int], sent: list[str], numbers: Iterator[int], retry: int
+    ) -> Mismatch | None:
+        """One request for ``sample`` (first sent as ``sent[0]``): None once its record is in its
+        shard, else why not. An HTTP retry goes out under a new rid (appended to ``sent``); the rid
+        whose answer was lost is abandoned, so its dump is deleted whenever it lands."""
         v = self.cfg.validation
+
+        def renew(lost: str) -> str:
+            rid = make_rid(self.ctx.run_key, sample.index, next(numbers))
+            self._reserved[rid] = self._reserved.pop(lost, 0)  # the new rid takes over the room
+            self.collector.abandon(lost)
+            sent.append(rid)
+            return rid
+
         try:
-            await self.client.generate(ids, rid)
+            rid = (await self.client.generate(ids, sent[0], renew)).rid
         except RequestRejected as exc:
-            return Mismatch(Reason.SERVER_ERROR, f"rid {rid}: {exc}")
+            return Mismatch(Reason.SERVER_ERROR, f"rid {exc.rid}: {exc}")
         arrival = await self.collector.wait(rid, v.dumpTimeoutSeconds)
         if arrival is None:
             self.collector.abandon(rid)
             return Mismatch(
-                Reason.NO_DUMP, f"no dump for {rid} within {v.dumpTimeoutSeconds:g}s ({attempt + 1} attempts)"
+                Reason.NO_DUMP, f"no dump for {rid} within {v.dumpTimeoutSeconds:g}s ({retry + 1} attempts)"
             )
         checked = await asyncio.to_thread(
             collect.check_collected,

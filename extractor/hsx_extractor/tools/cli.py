@@ -198,7 +198,7 @@ def parser() -> argparse.ArgumentParser:
     # Test hooks: deliberate misbehaviour.
     p.add_argument(
         "--fault",
-        choices=["swap", "drop", "truncate", "add_bos", "nan", "error"],
+        choices=["swap", "drop", "truncate", "add_bos", "nan", "error", "drop_response"],
         help="TEST HOOK: spoil requests on purpose",
     )
     p.add_argument(
