@@ -341,6 +341,24 @@ def test_replicas_split_the_shards_and_the_last_one_finalizes(tmp_path: Path, re
     verified(first)
 
 
+def test_a_run_leaves_the_dumps_of_a_run_whose_id_extends_its_own(tmp_path: Path, ref_server: RefServer) -> None:
+    """runId job replica 1 sweeps dead processes of (job, 1) only; a dump of runId job-r1 (whose rids
+    start with the same text) belongs to a live run sharing the server and stays."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(30, words=40))
+    other = protocol.make_rid(protocol.RunKey("job-r1", 0, "c0ffee"), 3, 0)
+    dead = protocol.make_rid(protocol.RunKey("job", 1, "dead00"), 3, 0)
+    for rid in (other, dead):
+        (ref_server.dump_dir / f"{rid}.safetensors").write_bytes(b"\0" * 64)
+    cfg = base_config(tmp_path, ref_server, dataset, run_id="job", replicaCount=2, replicaIndex=1)
+    try:
+        code, result, _ = run(cfg)
+        assert code == EXIT_OK and result is not None and result.shards_done
+        assert (ref_server.dump_dir / f"{other}.safetensors").exists()
+        assert not (ref_server.dump_dir / f"{dead}.safetensors").exists()
+    finally:
+        (ref_server.dump_dir / f"{other}.safetensors").unlink(missing_ok=True)
+
+
 def test_job_completion_index_picks_the_replica(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     cfg = ExtractConfig.model_validate(
         {"runId": "r", "dataset": {"uri": "d"}, "output": {"uri": str(tmp_path)}, "replicaCount": 3}

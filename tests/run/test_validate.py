@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hsx_extractor import protocol
 from hsx_extractor.protocol import DumpMeta
 from hsx_extractor.reasons import Reason
-from hsx_extractor.run import collect, protocol
+from hsx_extractor.run import collect
 from hsx_extractor.run.collect import Collector, Found, ServerRefused
 from hsx_extractor.run.validate import DumpShapeError, Mismatch, MismatchGate, count_non_finite
 
@@ -161,12 +162,12 @@ def test_abandoned_rids_are_swept_when_they_arrive(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.safetensors"]
 
 
-def test_waiting_bytes_and_prefix_cleanup(tmp_path: Path) -> None:
+def test_waiting_bytes_and_dead_process_cleanup(tmp_path: Path) -> None:
     write(tmp_path, "hsx-run-r0-aaa-1-a0", [1, 2])
     write(tmp_path, "hsx-run-r1-bbb-1-a0", [1, 2])
     total = sum(p.stat().st_size for p in tmp_path.iterdir())
     assert collect.waiting_bytes(tmp_path) == total > 0
-    assert collect.remove_with_prefix(tmp_path, "hsx-run-r0-") == 1
+    assert collect.remove_dead_processes(tmp_path, protocol.RunKey("run", 0, "ccc")) == 1
     assert [p.name for p in tmp_path.iterdir()] == ["hsx-run-r1-bbb-1-a0.safetensors"]
     assert collect.waiting_bytes(tmp_path / "missing") == 0
 
@@ -187,15 +188,34 @@ def test_gate_trips_only_past_min_samples_and_rate() -> None:
 
 
 def test_sweep_removes_a_dead_processes_late_dumps(tmp_path: Path) -> None:
-    c = Collector(tmp_path, stale_prefix="hsx-run-r0-", own_prefix="hsx-run-r0-new-")
-    for rid in ("hsx-run-r0-old-3-a0", "hsx-run-r0-new-3-a0", "hsx-run-r1-xyz-3-a0", "other"):
+    c = Collector(tmp_path, own=protocol.RunKey("run", 0, "beef"))
+    for rid in ("hsx-run-r0-dead-3-a0", "hsx-run-r0-beef-3-a0", "hsx-run-r1-abcd-3-a0", "other"):
         write(tmp_path, rid, [1])
     assert c.sweep() == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "hsx-run-r0-new-3-a0.safetensors",
-        "hsx-run-r1-xyz-3-a0.safetensors",
+        "hsx-run-r0-beef-3-a0.safetensors",
+        "hsx-run-r1-abcd-3-a0.safetensors",
         "other.safetensors",
     ]
+
+
+def test_sweep_matches_the_parsed_run_and_replica_not_a_name_prefix(tmp_path: Path) -> None:
+    """runId job replica 1 once deleted the live dumps of runId job-r1 ("hsx-job-r1-" is a prefix of
+    both) and of job replica 10's rids if the prefix lost its dash."""
+    own = protocol.RunKey("job", 1, "aaaaaa")
+    live_others = [
+        protocol.make_rid(protocol.RunKey("job-r1", 0, "cccccc"), 3, 0),
+        protocol.make_rid(protocol.RunKey("job-r1-bbbbbb", 2, "dddddd"), 4, 1),
+        protocol.make_rid(protocol.RunKey("job", 10, "eeeeee"), 5, 0),
+        protocol.make_rid(own, 6, 0),
+    ]
+    dead = protocol.make_rid(protocol.RunKey("job", 1, "bbbbbb"), 3, 0)
+    for rid in [*live_others, dead]:
+        write(tmp_path, rid, [1])
+    assert Collector(tmp_path, own=own).sweep() == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{r}.safetensors" for r in live_others)
+    assert collect.remove_dead_processes(tmp_path, protocol.RunKey("job", 1, "ffffff")) == 1  # own's, now dead
+    assert not (tmp_path / f"{live_others[-1]}.safetensors").exists()
 
 
 def test_waiting_bytes_leaves_out_reserved_rids_and_dead_writers_partials(tmp_path: Path) -> None:

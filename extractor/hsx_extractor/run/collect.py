@@ -139,12 +139,16 @@ def remove_stale_partials(
     return removed
 
 
-def remove_with_prefix(dump_dir: str | os.PathLike[str], rid_prefix: str) -> int:
-    """Delete complete dumps/markers whose rid starts with ``rid_prefix`` (a dead process's leftovers)."""
+def remove_dead_processes(dump_dir: str | os.PathLike[str], own: protocol.RunKey) -> int:
+    """Delete complete dumps/markers sent by another process of ``own``'s run and replica: one
+    replica has one live extractor, so they are a dead earlier process's leftovers. Matched on the
+    parsed (run, replica, process) of each rid, never on a name prefix: runId ``job`` replica 1
+    must not touch the dumps of runId ``job-r1``."""
     removed = 0
     for entry in os.scandir(dump_dir):
         rid = protocol.rid_of(entry.name)
-        if rid is not None and rid.startswith(rid_prefix):
+        owner = protocol.owner_of(rid) if rid is not None else None
+        if owner is not None and owner.same_replica(own) and owner.process != own.process:
             Path(entry.path).unlink(missing_ok=True)
             removed += 1
     return removed
@@ -158,8 +162,7 @@ class Collector:
         dump_dir: str | os.PathLike[str],
         poll_min: float = 0.002,
         poll_max: float = 0.05,
-        stale_prefix: str | None = None,
-        own_prefix: str | None = None,
+        own: protocol.RunKey | None = None,
         stale_partial_seconds: float = STALE_PARTIAL_SECONDS,
     ) -> None:
         self.dump_dir = Path(dump_dir)
@@ -168,10 +171,9 @@ class Collector:
         self.poll_max = poll_max
         # Rids given up on: a late dump for them is deleted when it appears, never used.
         self._abandoned: set[str] = set()
-        # Rids under stale_prefix but not own_prefix belong to a dead earlier process of this
-        # replica; the server may still finish its last requests after a restart.
-        self.stale_prefix = stale_prefix
-        self.own_prefix = own_prefix
+        # This process's key: dumps of another process of its run and replica are a dead earlier
+        # process's (the server may still finish its last requests after a restart).
+        self.own = own
 
     async def wait(self, rid: str, timeout: float) -> Arrival | Mismatch | None:
         """The rid's dump or error marker, or None if neither appeared within ``timeout`` seconds."""
@@ -194,13 +196,8 @@ class Collector:
     def sweep(self) -> int:
         """Delete late arrivals of abandoned rids and of dead processes; returns how many files went."""
         gone = remove_stale_partials(self.dump_dir, self.stale_partial_seconds)
-        if self.stale_prefix is not None:
-            for entry in os.scandir(self.dump_dir):
-                rid = protocol.rid_of(entry.name)
-                own = self.own_prefix is not None and rid is not None and rid.startswith(self.own_prefix)
-                if rid is not None and rid.startswith(self.stale_prefix) and not own:
-                    Path(entry.path).unlink(missing_ok=True)
-                    gone += 1
+        if self.own is not None:
+            gone += remove_dead_processes(self.dump_dir, self.own)
         for rid in list(self._abandoned):
             for path in (protocol.dump_path(self.dump_dir, rid), protocol.error_path(self.dump_dir, rid)):
                 if path.exists():

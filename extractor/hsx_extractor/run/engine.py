@@ -15,7 +15,7 @@ from typing import Any
 
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.model import ModelShape
-from hsx_extractor.protocol import dump_bytes_bound, make_rid
+from hsx_extractor.protocol import RunKey, dump_bytes_bound, make_rid
 from hsx_extractor.reasons import Reason
 from hsx_extractor.run import collect
 from hsx_extractor.run.collect import Collector
@@ -36,10 +36,9 @@ class EngineContext:
     cfg: ExtractConfig
     progress: Progress
     gate: MismatchGate
-    # Dumps named with this prefix belong to this replica (an earlier process's are stale).
-    rid_prefix: str
-    # This process's own key: every rid it sends starts with it.
-    run_key: str
+    # This process's key (run, replica, process): every rid it sends is made with it; dumps of
+    # another process of the same run and replica are a dead earlier process's.
+    run_key: RunKey
     store_thread: ThreadPoolExecutor
     seal_threads: ThreadPoolExecutor
 
@@ -72,9 +71,7 @@ class ShardWorker:
         self.shape = shape
         self.shards = shards
         self.shard_of = shard_of
-        self.collector = Collector(
-            self.cfg.dumpDir, stale_prefix=f"hsx-{ctx.rid_prefix}-", own_prefix=f"hsx-{ctx.run_key}-"
-        )
+        self.collector = Collector(self.cfg.dumpDir, own=ctx.run_key)
         self.commits: list[ShardCommit] = []
         # Dump bytes expected for each request in flight (rid -> bytes), until its dump is gone.
         self._reserved: dict[str, int] = {}
