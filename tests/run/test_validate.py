@@ -235,3 +235,28 @@ def test_waiting_bytes_leaves_out_reserved_rids_and_dead_writers_partials(tmp_pa
     # The collector's sweep frees the dead writer's shm; a live partial is left to its writer.
     assert Collector(tmp_path).sweep() == 1
     assert not dead.exists() and live.exists() and mine.exists()
+
+
+def test_waiting_bytes_of_one_replica_and_orphans_of_dead_runs(tmp_path: Path) -> None:
+    own = protocol.RunKey("job", 1, "aaaaaa")
+    ours = protocol.make_rid(own, 1, 0)
+    dead_process = protocol.make_rid(protocol.RunKey("job", 1, "bbbbbb"), 2, 0)
+    other_run = protocol.make_rid(protocol.RunKey("job-r1", 0, "cccccc"), 3, 0)
+    old_run = protocol.make_rid(protocol.RunKey("old", 0, "dddddd"), 4, 0)
+    for rid in (ours, dead_process, other_run, old_run):
+        write(tmp_path, rid, [1, 2])
+    (tmp_path / "unrelated.bin").write_bytes(b"x" * 1000)
+    (tmp_path / f".{ours}.safetensors.5.partial").write_bytes(b"x" * 10)
+    size = (tmp_path / f"{ours}.safetensors").stat().st_size
+    assert collect.waiting_bytes(tmp_path, own=own) == 2 * size + 10  # ours, the dead process's, our partial
+    assert collect.waiting_bytes(tmp_path, exclude_rids={ours}, own=own) == size
+    hour_ago = time.time() - collect.ORPHAN_DUMP_SECONDS - 1
+    for rid in (old_run, other_run):
+        os.utime(tmp_path / f"{rid}.safetensors", (hour_ago, hour_ago))
+    os.utime(tmp_path / "unrelated.bin", (hour_ago, hour_ago))
+    os.utime(tmp_path / f"{ours}.safetensors", (hour_ago, hour_ago))
+    # Other runs' dumps an hour old go; ours (however old), and names outside the protocol, stay.
+    assert collect.remove_orphans(tmp_path, own) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{ours}.safetensors", f"{dead_process}.safetensors", "unrelated.bin", f".{ours}.safetensors.5.partial"]
+    )

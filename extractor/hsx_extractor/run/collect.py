@@ -97,10 +97,13 @@ def waiting_bytes(
     dump_dir: str | os.PathLike[str],
     exclude_rids: Container[str] = (),
     stale_after: float = STALE_PARTIAL_SECONDS,
+    own: protocol.RunKey | None = None,
 ) -> int:
     """Bytes of the files in the dump directory, except those of ``exclude_rids`` (the caller
     counts them itself) and stale partials (a dead writer's; they would block back-pressure forever).
-    Live partials count: they hold shm too."""
+    Live partials count: they hold shm too. With ``own``, only the files of rids sent by ``own``'s
+    run and replica count (any process of it: a dead one's are swept): another run's files, or
+    names outside the protocol, are not ours to wait for - nobody here would ever remove them."""
     total = 0
     now = time.time()
     try:
@@ -115,10 +118,42 @@ def waiting_bytes(
                 rid = protocol.rid_of(entry.name) or protocol.rid_of_partial(entry.name)
                 if rid is not None and rid in exclude_rids:
                     continue
+                if own is not None:
+                    owner = protocol.owner_of(rid) if rid is not None else None
+                    if owner is None or not owner.same_replica(own):
+                        continue
                 total += st.st_size
     except FileNotFoundError:
         return 0
     return total
+
+
+# A live extractor takes (or, abandoning it, deletes) a dump within seconds of its arrival; a
+# complete dump of another run untouched this long belongs to a run that is gone.
+ORPHAN_DUMP_SECONDS = 3600.0
+
+
+def remove_orphans(
+    dump_dir: str | os.PathLike[str], own: protocol.RunKey, older_than: float = ORPHAN_DUMP_SECONDS
+) -> int:
+    """Delete complete dumps/markers of other runs' rids older than ``older_than`` seconds: their
+    extractor is dead and nobody else would free their shm. Names outside the protocol are left."""
+    removed = 0
+    now = time.time()
+    with os.scandir(dump_dir) as entries:
+        for entry in entries:
+            rid = protocol.rid_of(entry.name)
+            owner = protocol.owner_of(rid) if rid is not None else None
+            if owner is None or owner.same_replica(own):
+                continue
+            try:
+                mtime = entry.stat(follow_symlinks=False).st_mtime
+            except FileNotFoundError:
+                continue
+            if now - mtime > older_than:
+                Path(entry.path).unlink(missing_ok=True)
+                removed += 1
+    return removed
 
 
 def remove_stale_partials(
@@ -164,9 +199,11 @@ class Collector:
         poll_max: float = 0.05,
         own: protocol.RunKey | None = None,
         stale_partial_seconds: float = STALE_PARTIAL_SECONDS,
+        orphan_seconds: float = ORPHAN_DUMP_SECONDS,
     ) -> None:
         self.dump_dir = Path(dump_dir)
         self.stale_partial_seconds = stale_partial_seconds
+        self.orphan_seconds = orphan_seconds
         self.poll_min = poll_min
         self.poll_max = poll_max
         # Rids given up on: a late dump for them is deleted when it appears, never used.
@@ -194,10 +231,12 @@ class Collector:
         remove(self.dump_dir, rid)
 
     def sweep(self) -> int:
-        """Delete late arrivals of abandoned rids and of dead processes; returns how many files went."""
+        """Delete late arrivals of abandoned rids, dumps of dead processes of this replica, orphans of
+        dead runs and partials of dead writers; returns how many files went."""
         gone = remove_stale_partials(self.dump_dir, self.stale_partial_seconds)
         if self.own is not None:
             gone += remove_dead_processes(self.dump_dir, self.own)
+            gone += remove_orphans(self.dump_dir, self.own, self.orphan_seconds)
         for rid in list(self._abandoned):
             for path in (protocol.dump_path(self.dump_dir, rid), protocol.error_path(self.dump_dir, rid)):
                 if path.exists():

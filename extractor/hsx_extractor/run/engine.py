@@ -28,6 +28,9 @@ from hsx_extractor.storage.backends import StoreError
 from hsx_extractor.storage.shard_format import QuarantineEntry, SampleRecord, ShardCommit
 from hsx_extractor.storage.store import ShardBuilder, Store
 
+# A sender waiting this long for room in the dump directory is reported as stalled.
+STALL_REPORT_SECONDS = 30.0
+
 
 @dataclass(frozen=True)
 class EngineContext:
@@ -77,6 +80,8 @@ class ShardWorker:
         self._reserved: dict[str, int] = {}
         # Samples between read and shard; twice the requests in flight keeps the server fed.
         self._active = asyncio.Semaphore(2 * self.cfg.concurrency)
+        # When back-pressure began a stall that was reported (None: not stalled).
+        self._stalled_since: float | None = None
 
     async def run(self, reader: Callable[[Callable[[Prepared | Rejected], None]], None]) -> None:
         loop = asyncio.get_running_loop()
@@ -137,29 +142,43 @@ class ShardWorker:
             await asyncio.to_thread(self.collector.sweep)
 
     async def _reserve(self, rid: str, nbytes: int) -> None:
-        """Wait until a dump of ``nbytes`` fits under dumpDirMaxBytes, counting the dumps of requests
-        in flight at their full size before they exist, then reserve its room.
+        """Wait until a dump of ``nbytes`` fits under dumpDirMaxBytes, counting this run's dumps on
+        disk and the dumps of its requests in flight at their full size before they exist, then
+        reserve its room. Other runs' files are not counted: nothing here would ever free them.
 
         Checking and reserving happen with no await between them, so concurrent senders cannot
         overshoot the limit together. A sample bigger than the limit alone still goes once nothing
-        else of ours is in flight (it would wait forever otherwise) and is reported.
+        else of ours is in flight (it would wait forever otherwise) and is reported. A wait longer
+        than STALL_REPORT_SECONDS is reported (progress lastError and the log), once per stall.
         """
         limit = self.cfg.dumpDirMaxBytes
         waited_since: float | None = None
         while True:
-            on_disk = collect.waiting_bytes(self.cfg.dumpDir, exclude_rids=self._reserved)
-            held = on_disk + sum(self._reserved.values())
+            on_disk = collect.waiting_bytes(self.cfg.dumpDir, exclude_rids=self._reserved, own=self.ctx.run_key)
+            reserved = sum(self._reserved.values())
+            held = on_disk + reserved
             oversized_alone = nbytes > limit and held == 0
             if held + nbytes <= limit or oversized_alone:
                 if oversized_alone:
                     self.progress.last_error = f"back-pressure: one dump of {nbytes} bytes exceeds dumpDirMaxBytes {limit}; sent alone"
+                if self._stalled_since is not None:
+                    stalled = time.monotonic() - self._stalled_since
+                    print(f"hsx: back-pressure: sending again after {stalled:.0f}s stalled", flush=True)
+                    self._stalled_since = None
                 self._reserved[rid] = nbytes
                 return
-            waited_since = waited_since or time.monotonic()
-            if time.monotonic() - waited_since > 10:
+            now = time.monotonic()
+            waited_since = waited_since or now
+            if self._stalled_since is None and now - waited_since > STALL_REPORT_SECONDS:
+                self._stalled_since = waited_since
                 self.progress.last_error = (
-                    f"back-pressure: {held} bytes of dumps waiting or expected > dumpDirMaxBytes {limit}"
+                    f"back-pressure stalled for {now - waited_since:.0f}s: this run's dumps in "
+                    f"{self.cfg.dumpDir} hold {on_disk} bytes and its {len(self._reserved)} requests in flight "
+                    f"reserve {reserved}; one more dump of {nbytes} would pass dumpDirMaxBytes {limit}. "
+                    "Other runs' files are not counted. If this lasts, dumps are not being collected: "
+                    "check the server's dump directory and the extractor's store"
                 )
+                print(f"hsx: {self.progress.last_error}", flush=True)
             await asyncio.sleep(0.02)
 
     async def _sample(self, sample: Prepared) -> None:

@@ -159,9 +159,9 @@ class Extraction:
     async def _run_with(self, store: Store, tok: ChatTokenizer) -> RunResult:
         cfg = self.cfg
         Path(cfg.dumpDir).mkdir(parents=True, exist_ok=True)
-        stale = collect.remove_dead_processes(cfg.dumpDir, self.run_key)
+        stale = collect.Collector(cfg.dumpDir, own=self.run_key).sweep()
         if stale:
-            print(f"hsx: removed {stale} dumps left by an earlier process of this replica", flush=True)
+            print(f"hsx: removed {stale} dumps left by dead processes or runs in {cfg.dumpDir}", flush=True)
         connector = aiohttp.TCPConnector(limit=cfg.concurrency + 4)
         async with aiohttp.ClientSession(connector=connector) as session:
             client = ServerClient(cfg.serverUrl, session, cfg.concurrency)
