@@ -206,11 +206,16 @@ class Store:
         if data is None:
             return None
         try:
-            return ShardCommit.from_json(json.loads(data))
+            commit = ShardCommit.from_json(json.loads(data))
         except (ValueError, ShardFormatError) as exc:
             raise PermanentStoreError(
                 f"commit record of shard {shard_index} in {self.description} is damaged: {exc}"
             ) from exc
+        if commit.shard_index != shard_index:
+            raise PermanentStoreError(
+                f"commit record of shard {shard_index} in {self.description} is for shard {commit.shard_index}"
+            )
+        return commit
 
     def open_shard(self, shard_index: int, indices: range) -> ShardBuilder:
         if indices.step != 1 or indices.start < 0 or len(indices) == 0:
@@ -281,6 +286,41 @@ class Store:
         if total > len(head):
             head += self.backend.get_range(key, len(head), total - len(head))
         return parse_header(head)
+
+    def check_commit_key(self, commit: ShardCommit) -> None:
+        """Raise :class:`ShardFormatError` unless the record names this run's own key for its shard
+        and checksum: a record must never send a reader to another run's object, or outside the run."""
+        expected = self.layout.shard_key(commit.shard_index, commit.checksum)
+        if commit.key != expected:
+            raise ShardFormatError(
+                f"commit record of shard {commit.shard_index} in {self.description} names key "
+                f"{commit.key[:300]!r}, not this run's {expected!r}"
+            )
+
+    def checked_header(self, commit: ShardCommit) -> ShardHeader:
+        """The header of a committed shard, once the record and the object agree: the key is this
+        run's for the shard and checksum, the object has the recorded size, the header hashes to the
+        recorded shard checksum, names the shard, and lists exactly the recorded samples, which tile
+        the object (so no sample read reaches past it)."""
+        k = commit.shard_index
+        self.check_commit_key(commit)
+        size = self.backend.size(commit.key)
+        if size is None:
+            raise PermanentStoreError(f"shard {k} of {self.description}: object {commit.key} is missing")
+        if size != commit.bytes_stored:
+            raise ShardFormatError(f"shard {k}: object is {size} bytes, commit record says {commit.bytes_stored}")
+        header = self.read_header(commit.key)
+        if header.header_checksum != commit.checksum:
+            raise ShardFormatError(
+                f"shard {k}: header checksum {header.header_checksum}, commit record says {commit.checksum}"
+            )
+        if header.shard_index != k:
+            raise ShardFormatError(f"shard {k}: the object's header is for shard {header.shard_index}")
+        if header.object_size != size:
+            raise ShardFormatError(f"shard {k}: samples do not tile the object ({header.object_size} != {size} bytes)")
+        if tuple(s.index for s in header.samples) != commit.sample_indices:
+            raise ShardFormatError(f"shard {k}: header and commit record list different samples")
+        return header
 
     def read_sample(
         self, shard: int | str, header: ShardHeader, entry: SampleEntry, verify: bool = True
