@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 from hsx_extractor.config import OutputSpec
 from hsx_extractor.storage.backends import PermanentStoreError
+from hsx_extractor.storage.commit_record import ShardCommit
 from hsx_extractor.storage.layout import MANIFEST_NAME, split_run_uri
-from hsx_extractor.storage.shard_format import SampleRecord, ShardCommit, ShardFormatError, ShardHeader
+from hsx_extractor.storage.shard_format import SampleRecord, ShardFormatError, ShardHeader
 from hsx_extractor.storage.store import Store, open_store
 
 if TYPE_CHECKING:

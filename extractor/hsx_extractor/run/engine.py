@@ -25,7 +25,8 @@ from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.server_client import RequestRejected, ServerClient
 from hsx_extractor.run.validate import Mismatch, MismatchGate
 from hsx_extractor.storage.backends import StoreError
-from hsx_extractor.storage.shard_format import QuarantineEntry, SampleRecord, ShardCommit
+from hsx_extractor.storage.commit_record import QuarantineEntry, ShardCommit
+from hsx_extractor.storage.shard_format import SampleRecord
 from hsx_extractor.storage.store import ShardBuilder, Store
 
 # A sender waiting this long for room in the dump directory is reported as stalled.

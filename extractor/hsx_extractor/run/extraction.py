@@ -39,7 +39,7 @@ from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.server_client import ServerClient
 from hsx_extractor.run.tokens import ChatTokenizer, TokenizerError
 from hsx_extractor.run.validate import MismatchGate
-from hsx_extractor.storage.shard_format import ShardCommit
+from hsx_extractor.storage.commit_record import ShardCommit
 from hsx_extractor.storage.store import Store, open_store
 
 SERVER_START_TIMEOUT_S = 600.0

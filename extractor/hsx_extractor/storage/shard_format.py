@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
@@ -22,7 +22,6 @@ import xxhash
 from hsx_extractor.storage.compress import CODEC_RAW, CODECS, CodecError, decode_bf16_array, encode_bf16_parts
 
 FORMAT_VERSION: Final = "hsx-shard/1"
-COMMIT_VERSION: Final = "hsx-commit/1"
 MANIFEST_VERSION: Final = "hsx-manifest/1"
 # Output compression setting (OutputSpec.compression) -> codec for the hidden-state tensors.
 COMPRESSION_CODECS: Final = {"none": "raw", "bf16-zstd": "bf16-split-zstd"}
@@ -98,23 +97,6 @@ def check_sample(rec: SampleRecord) -> None:
         )
     if rec.index < 0 or not isinstance(rec.sample_id, str):
         raise ValueError(f"sample {rec.index}: index must be >= 0 and sample_id a string")
-
-
-@dataclass(frozen=True)
-class QuarantineEntry:
-    """A dataset row that produced no sample, and why."""
-
-    index: int  # position in the dataset
-    sample_id: str | None  # the row's id, when it could be read
-    reason: str  # short machine-readable reason (too_long, no_dump, mismatch_length, ...)
-    detail: str  # human-readable explanation
-
-    def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "sampleId": self.sample_id, "reason": self.reason, "detail": self.detail}
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> QuarantineEntry:
-        return cls(int(obj["index"]), obj.get("sampleId"), str(obj["reason"]), str(obj.get("detail", "")))
 
 
 @dataclass(frozen=True)
@@ -395,57 +377,3 @@ def _check_tiling(samples: Sequence[SampleEntry]) -> None:
             raise ShardFormatError(f"sample {s.index}: tensors do not fill the sample")
         offset += s.length
         last = s.index
-
-
-@dataclass(frozen=True)
-class ShardCommit:
-    """What a sealed shard is; the commit record is this as JSON."""
-
-    shard_index: int
-    samples: int  # samples stored
-    quarantined: int  # rows of this shard that are quarantined
-    bytes_stored: int  # object size
-    bytes_raw: int  # uncompressed size of every stored tensor
-    key: str  # object key (relative to the store root)
-    checksum: str  # shard checksum: xxh3-64 of the header, which lists every sample's xxh3-64
-    start: int = 0  # first dataset index of the shard
-    stop: int = 0  # one past the last
-    sample_indices: tuple[int, ...] = field(default=(), repr=False)
-    quarantine: tuple[QuarantineEntry, ...] = field(default=(), repr=False)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": COMMIT_VERSION,
-            "shard": self.shard_index,
-            "key": self.key,
-            "checksum": self.checksum,
-            "bytesStored": self.bytes_stored,
-            "bytesRaw": self.bytes_raw,
-            "start": self.start,
-            "stop": self.stop,
-            "samples": list(self.sample_indices),
-            "quarantined": [q.to_json() for q in self.quarantine],
-        }
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> ShardCommit:
-        if obj.get("format") != COMMIT_VERSION:
-            raise ShardFormatError(f"commit record format {obj.get('format')!r}, expected {COMMIT_VERSION!r}")
-        try:
-            indices = tuple(int(i) for i in obj["samples"])
-            quarantine = tuple(QuarantineEntry.from_json(q) for q in obj["quarantined"])
-            return cls(
-                shard_index=int(obj["shard"]),
-                samples=len(indices),
-                quarantined=len(quarantine),
-                bytes_stored=int(obj["bytesStored"]),
-                bytes_raw=int(obj["bytesRaw"]),
-                key=str(obj["key"]),
-                checksum=str(obj["checksum"]),
-                start=int(obj["start"]),
-                stop=int(obj["stop"]),
-                sample_indices=indices,
-                quarantine=quarantine,
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ShardFormatError(f"commit record is malformed: {exc}") from exc

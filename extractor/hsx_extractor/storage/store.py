@@ -33,14 +33,13 @@ from hsx_extractor.storage.backends import (
     ShardConflictError,
     TransientStoreError,
 )
+from hsx_extractor.storage.commit_record import QuarantineEntry, ShardCommit
 from hsx_extractor.storage.layout import MANIFEST_NAME, RunLayout, parse_output_uri, validate_name
 from hsx_extractor.storage.manifest import build_manifest
 from hsx_extractor.storage.shard_format import (
     COMPRESSION_CODECS,
-    QuarantineEntry,
     SampleEntry,
     SampleRecord,
-    ShardCommit,
     ShardFormatError,
     ShardHeader,
     decode_sample,

@@ -17,10 +17,10 @@ from typing import Any
 from hsx_extractor.config import OutputSpec
 from hsx_extractor.run.plan import PLAN_NAME, PlanMismatch, planned_shards
 from hsx_extractor.storage.backends import StoreError
+from hsx_extractor.storage.commit_record import ShardCommit
 from hsx_extractor.storage.layout import MANIFEST_NAME, split_run_uri
 from hsx_extractor.storage.manifest import build_manifest
 from hsx_extractor.storage.shard_format import (
-    ShardCommit,
     ShardFormatError,
     ShardHeader,
     checksum,
