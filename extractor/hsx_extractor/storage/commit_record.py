@@ -1,14 +1,27 @@
 """The commit record (``hsx-commit/1``, docs/format.md): what a sealed shard is, and the
-quarantined rows of its range. Written once per shard after its object."""
+quarantined rows of its range. Written once per shard after its object; read back untrusted."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from hsx_extractor.storage.shard_format import ShardFormatError
+from hsx_extractor.storage.layout import MAX_SHARDS
+from hsx_extractor.storage.stored_json import (
+    MAX_INDEX,
+    ShardFormatError,
+    json_dict,
+    json_hex16,
+    json_int,
+    json_list,
+    json_str,
+    load_json,
+    show,
+)
 
 COMMIT_VERSION: Final = "hsx-commit/1"
+MAX_COMMIT_BYTES: Final = 100_000_000  # a commit record lists no more than its shard's header
 
 
 @dataclass(frozen=True)
@@ -25,7 +38,14 @@ class QuarantineEntry:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> QuarantineEntry:
-        return cls(int(obj["index"]), obj.get("sampleId"), str(obj["reason"]), str(obj.get("detail", "")))
+        obj = json_dict(obj, "quarantine entry")
+        sample_id = obj.get("sampleId")
+        return cls(
+            json_int(obj["index"], "quarantine index", hi=MAX_INDEX),
+            None if sample_id is None else json_str(sample_id, "quarantine sampleId"),
+            json_str(obj["reason"], "quarantine reason"),
+            json_str(obj.get("detail", ""), "quarantine detail"),
+        )
 
 
 @dataclass(frozen=True)
@@ -60,23 +80,52 @@ class ShardCommit:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> ShardCommit:
+        """A commit record, checked: every field of its type and in bounds, and the listed samples
+        and quarantined rows (each sorted, disjoint) exactly cover ``[start, stop)``, so nothing
+        built from a record (a range, a set) can be larger than the record itself."""
+        if not isinstance(obj, dict):
+            raise ShardFormatError(f"commit record must be a JSON object, got {show(obj)}")
         if obj.get("format") != COMMIT_VERSION:
-            raise ShardFormatError(f"commit record format {obj.get('format')!r}, expected {COMMIT_VERSION!r}")
+            raise ShardFormatError(f"commit record format {show(obj.get('format'))}, expected {COMMIT_VERSION!r}")
         try:
-            indices = tuple(int(i) for i in obj["samples"])
-            quarantine = tuple(QuarantineEntry.from_json(q) for q in obj["quarantined"])
-            return cls(
-                shard_index=int(obj["shard"]),
+            start = json_int(obj["start"], "start", hi=MAX_INDEX)
+            stop = json_int(obj["stop"], "stop", lo=start, hi=MAX_INDEX)
+            indices = tuple(json_int(i, "sample index", start, stop - 1) for i in json_list(obj["samples"], "samples"))
+            quarantine = tuple(QuarantineEntry.from_json(q) for q in json_list(obj["quarantined"], "quarantined"))
+            key = json_str(obj["key"], "key")
+            if not 0 < len(key) <= 1024:
+                raise ShardFormatError(f"key of {len(key)} characters")
+            commit = cls(
+                shard_index=json_int(obj["shard"], "shard", hi=MAX_SHARDS - 1),
                 samples=len(indices),
                 quarantined=len(quarantine),
-                bytes_stored=int(obj["bytesStored"]),
-                bytes_raw=int(obj["bytesRaw"]),
-                key=str(obj["key"]),
-                checksum=str(obj["checksum"]),
-                start=int(obj["start"]),
-                stop=int(obj["stop"]),
+                bytes_stored=json_int(obj["bytesStored"], "bytesStored"),
+                bytes_raw=json_int(obj["bytesRaw"], "bytesRaw"),
+                key=key,
+                checksum=json_hex16(obj["checksum"], "checksum"),
+                start=start,
+                stop=stop,
                 sample_indices=indices,
                 quarantine=quarantine,
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ShardFormatError(f"commit record is malformed: {exc}") from exc
+        except KeyError as exc:
+            raise ShardFormatError(f"commit record is malformed: no field {exc}") from None
+        except ShardFormatError as exc:
+            raise ShardFormatError(f"commit record is malformed: {exc}") from None
+        q_indices = [q.index for q in quarantine]
+        if any(not start <= i < stop for i in q_indices):
+            raise ShardFormatError(f"commit record is malformed: a quarantined index is outside [{start}, {stop})")
+        for name, seq in (("samples", indices), ("quarantined", q_indices)):
+            if any(a >= b for a, b in itertools.pairwise(seq)):
+                raise ShardFormatError(f"commit record is malformed: {name} are not sorted and distinct")
+        if len(indices) + len(q_indices) != stop - start or not set(indices).isdisjoint(q_indices):
+            raise ShardFormatError(
+                f"commit record is malformed: {len(indices)} samples and {len(q_indices)} quarantined "
+                f"rows do not cover [{start}, {stop}) exactly"
+            )
+        return commit
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> ShardCommit:
+        """A commit record from its stored bytes (bounded parse, then :meth:`from_json`)."""
+        return cls.from_json(load_json(data, "commit record", MAX_COMMIT_BYTES))

@@ -33,7 +33,7 @@ from hsx_extractor.storage.backends import (
     ShardConflictError,
     TransientStoreError,
 )
-from hsx_extractor.storage.commit_record import QuarantineEntry, ShardCommit
+from hsx_extractor.storage.commit_record import MAX_COMMIT_BYTES, QuarantineEntry, ShardCommit
 from hsx_extractor.storage.layout import MANIFEST_NAME, RunLayout, parse_output_uri, validate_name
 from hsx_extractor.storage.manifest import build_manifest
 from hsx_extractor.storage.shard_format import (
@@ -49,11 +49,13 @@ from hsx_extractor.storage.shard_format import (
     parse_header,
 )
 from hsx_extractor.storage.spool import SpooledObject, SpoolFiles, pwrite_all
+from hsx_extractor.storage.stored_json import load_json
 
 if TYPE_CHECKING:
     from hsx_extractor.storage.s3_client import S3Endpoint
 
 HEAD_PROBE_BYTES = 64 << 10  # first read of a shard; usually holds the whole header
+MAX_NAMED_JSON_BYTES = 1 << 30  # plan.json and manifest.json: beyond this, damage
 
 
 class ShardBuilder:
@@ -171,9 +173,9 @@ class Store:
         if data is None:
             return None
         try:
-            obj = json.loads(data)
-        except ValueError as exc:
-            raise PermanentStoreError(f"{self.description}/{name} is not JSON: {exc}") from exc
+            obj = load_json(data, name, MAX_NAMED_JSON_BYTES)
+        except ShardFormatError as exc:
+            raise PermanentStoreError(f"{self.description}/{name}: {exc}") from exc
         if not isinstance(obj, dict):
             raise PermanentStoreError(f"{self.description}/{name} is not a JSON object")
         return obj
@@ -205,8 +207,8 @@ class Store:
         if data is None:
             return None
         try:
-            commit = ShardCommit.from_json(json.loads(data))
-        except (ValueError, ShardFormatError) as exc:
+            commit = ShardCommit.from_bytes(data)
+        except ShardFormatError as exc:
             raise PermanentStoreError(
                 f"commit record of shard {shard_index} in {self.description} is damaged: {exc}"
             ) from exc
@@ -242,9 +244,13 @@ class Store:
         if self.backend.put_if_absent(commit_key, record):
             return
         existing = self.backend.get(commit_key)
-        if existing is not None and json.loads(existing) == json.loads(record):
+        try:
+            stored = load_json(existing, "commit record", MAX_COMMIT_BYTES) if existing is not None else None
+        except ShardFormatError:
+            stored = None  # unreadable: a conflict like any other record that is not ours
+        if stored is not None and stored == json.loads(record):
             return  # an identical writer (or our own retried request) got there first
-        theirs = json.loads(existing).get("key") if existing else None
+        theirs = stored.get("key") if isinstance(stored, dict) else None
         if theirs != commit.key:
             self.backend.delete(commit.key)  # unreferenced: nobody will ever read it
         raise ShardConflictError(
