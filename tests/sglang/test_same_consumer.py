@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from hsx_extractor import protocol
 from hsx_extractor.reasons import Reason
-from hsx_extractor.run import collect, protocol
+from hsx_extractor.run import collect
 from hsx_extractor.tools.reference_server import ReferenceModel, ReferenceServer
 from hsx_extractor.tools.tinymodel import build_tiny_model
 from tests.sglang.conftest import Hooked
