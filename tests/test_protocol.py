@@ -30,6 +30,23 @@ def test_rid_round_trip_and_retry_gets_new_rid() -> None:
     assert p.make_rid("run1-r0", 42, 1) != rid
 
 
+@pytest.mark.parametrize(
+    ("run_id", "replica"), [("job", 1), ("job-r1", 0), ("job-r1-abcdef", 3), ("r1", 10), ("a-r0-r0", 0)]
+)
+def test_run_key_parses_back_exactly_even_when_the_run_id_looks_like_one(run_id: str, replica: int) -> None:
+    key = p.RunKey(run_id, replica, "0a1b2c")
+    rid = p.make_rid(key, 7, 2)
+    assert p.owner_of(rid) == key and p.RunKey.parse(key.text) == key
+    assert p.parse_rid(rid) == (key.text, 7, 2)
+
+
+def test_owner_of_foreign_rids_is_none() -> None:
+    for rid in ("mine", "hsx-run1-r0-42-a0", "hsx-x-r1-zz-1-a0", "hsx--1-a0"):
+        assert p.owner_of(rid) is None
+    assert not p.RunKey("job", 1, "aa").same_replica(p.RunKey("job-r1", 0, "aa"))
+    assert p.RunKey("job", 1, "aa").same_replica(p.RunKey("job", 1, "bb"))
+
+
 @pytest.mark.parametrize("bad", ["", "../x", "a/b", ".hidden", "a b", "x" * 201, "a..b"])
 def test_unsafe_rids_are_rejected(bad: str) -> None:
     with pytest.raises(p.ProtocolError):

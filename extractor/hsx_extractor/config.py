@@ -163,8 +163,9 @@ class ExtractConfig(_Spec):
     dumpDirMaxBytes: int = Field(
         8 << 30,
         ge=1 << 20,
-        description="Back-pressure: fewer requests are sent while dumps waiting in "
-        "dumpDir exceed this many bytes.",
+        description="Back-pressure: fewer requests are sent while this run's dumps waiting in "
+        "dumpDir (and those its requests in flight will write) exceed this many bytes. Other runs' "
+        "files are not counted; a wait over 30 s is reported in the progress lastError.",
     )
     modelPath: str | None = Field(
         None, description="Model directory (tokenizer and config are read from it)."

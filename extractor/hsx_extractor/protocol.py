@@ -61,7 +61,44 @@ def validate_rid(rid: str) -> str:
     return rid
 
 
-def make_rid(run_key: str, sample_index: int, attempt: int) -> str:
+@dataclass(frozen=True)
+class RunKey:
+    """Who sends a rid: run, replica and one extractor process (``{run_id}-r{replica}-{process}``).
+
+    ``process`` is fresh hex per extractor process, so a restarted extractor never reuses a rid the
+    server has seen, and the dumps of a dead earlier process of the same replica can be told from
+    the live one's. Parsed from the right (the process is hex, the replica ``r`` + digits), so a
+    runId that itself looks like ``job-r1`` is never taken for replica 1 of ``job``.
+    """
+
+    run_id: str
+    replica: int
+    process: str
+
+    def __post_init__(self) -> None:
+        if not self.run_id or self.replica < 0 or not _PROCESS_RE.match(self.process):
+            raise ProtocolError(f"invalid run key parts {self.run_id!r}, {self.replica!r}, {self.process!r}")
+
+    @property
+    def text(self) -> str:
+        return f"{self.run_id}-r{self.replica}-{self.process}"
+
+    def same_replica(self, other: RunKey) -> bool:
+        return (self.run_id, self.replica) == (other.run_id, other.replica)
+
+    @classmethod
+    def parse(cls, text: str) -> RunKey:
+        m = _RUN_KEY_RE.match(text)
+        if not m:
+            raise ProtocolError(f"run key {text!r} is not {{runId}}-r{{replica}}-{{process}}")
+        return cls(m.group(1), int(m.group(2)), m.group(3))
+
+
+_PROCESS_RE = re.compile(r"^[0-9a-f]{1,32}$")
+_RUN_KEY_RE = re.compile(r"^(.+)-r(\d+)-([0-9a-f]{1,32})$")
+
+
+def make_rid(run_key: str | RunKey, sample_index: int, attempt: int) -> str:
     """The rid of one attempt at one sample: ``hsx-{run_key}-{index}-a{attempt}``.
 
     A retry gets a new rid, so a late dump of an abandoned attempt can never be taken for the
@@ -69,7 +106,8 @@ def make_rid(run_key: str, sample_index: int, attempt: int) -> str:
     """
     if sample_index < 0 or attempt < 0:
         raise ProtocolError("sample_index and attempt must be >= 0")
-    return validate_rid(f"{_RID_PREFIX}-{run_key}-{sample_index}-a{attempt}")
+    key = run_key.text if isinstance(run_key, RunKey) else run_key
+    return validate_rid(f"{_RID_PREFIX}-{key}-{sample_index}-a{attempt}")
 
 
 def parse_rid(rid: str) -> tuple[str, int, int]:
@@ -78,6 +116,14 @@ def parse_rid(rid: str) -> tuple[str, int, int]:
     if not m:
         raise ProtocolError(f"rid {rid!r} was not made by make_rid")
     return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+def owner_of(rid: str) -> RunKey | None:
+    """The :class:`RunKey` that sent ``rid``; None for a rid not made by :func:`make_rid` with one."""
+    try:
+        return RunKey.parse(parse_rid(rid)[0])
+    except ProtocolError:
+        return None
 
 
 def dump_path(dump_dir: str | os.PathLike[str], rid: str) -> Path:

@@ -8,8 +8,11 @@ directly::
     hidden_state      torch.bfloat16  [1, L, H]
     aux_hidden_state  torch.bfloat16  [1, L, K*H]   (K = 3 for EAGLE-3)
 
-Only shards with a commit record are read; each item is one ranged read, checksummed unless
-``verify_checksums=False``. torch is imported lazily so the extractor image (no torch) can
+Only shards with a commit record are read, and a record is not taken on trust: its key must be
+this run's key for the shard, and before a shard's first sample is read its object must have the
+recorded size and a header that hashes to the recorded shard checksum and lists the recorded
+samples (:meth:`Store.checked_header`). Each item is one ranged read inside the object,
+checksummed unless ``verify_checksums=False``. torch is imported lazily so the extractor image (no torch) can
 import the rest of hsx_extractor.
 """
 
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from hsx_extractor.config import OutputSpec
 from hsx_extractor.storage.backends import PermanentStoreError
+from hsx_extractor.storage.commit_record import ShardCommit
 from hsx_extractor.storage.layout import MANIFEST_NAME, split_run_uri
 from hsx_extractor.storage.shard_format import SampleRecord, ShardFormatError, ShardHeader
 from hsx_extractor.storage.store import Store, open_store
@@ -55,16 +59,17 @@ class OutputReader:
         self._shards: list[int] = []
         self._starts: list[int] = []  # position of each shard's first sample in the flat order
         self._indices: list[tuple[int, ...]] = []
-        self._keys: dict[int, str] = {}
+        self._commits: dict[int, ShardCommit] = {}
         total = 0
         for k in sorted(store.committed_shards()):
             commit = store.get_commit(k)
             if commit is None or not commit.sample_indices:
                 continue
+            store.check_commit_key(commit)
             self._shards.append(k)
             self._starts.append(total)
             self._indices.append(commit.sample_indices)
-            self._keys[k] = commit.key
+            self._commits[k] = commit
             total += commit.samples
         self._len = total
         self._headers: dict[int, ShardHeader] = {}
@@ -100,7 +105,7 @@ class OutputReader:
         with self._lock:
             cached = self._headers.get(shard_index)
         if cached is None:
-            cached = store.read_header(self._keys[shard_index])
+            cached = store.checked_header(self._commits[shard_index])
             with self._lock:
                 self._headers[shard_index] = cached
         return cached
@@ -111,7 +116,7 @@ class OutputReader:
         entry = header.samples[within] if within < len(header.samples) else None
         if entry is None or entry.index != index:
             raise ShardFormatError(f"shard {shard}: header and commit record disagree at sample {index}")
-        return self._store().read_sample(self._keys[shard], header, entry, verify=verify_checksums)
+        return self._store().read_sample(self._commits[shard].key, header, entry, verify=verify_checksums)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

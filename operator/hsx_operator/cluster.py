@@ -5,8 +5,11 @@ Everything returns plain camelCase dicts, the input of the pure functions in obs
 
 from __future__ import annotations
 
+import http.client
 import json
-import urllib.request
+import socket
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +20,18 @@ from kubernetes.client.rest import ApiException
 from hsx_operator import metrics
 from hsx_operator.desired import EXTRACTOR_CONTAINER, LABEL_XJ, Owner
 
+# One poll of an extractor's /progress, all of it (connect, headers, body): a pod can only slow the
+# operator's reconcile by this much. The body is a few hundred bytes; anything past the cap is refused.
 PROGRESS_TIMEOUT = 2.0
+PROGRESS_MAX_BYTES = 1 << 20
+
+
+class ProgressPollError(Exception):
+    """The pod's /progress answer was refused: not 200, too big, too slow, or not a JSON object."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _json(response: Any) -> Any:
@@ -87,6 +101,62 @@ class Cluster:
                 raise
 
 
+def fetch_progress(
+    host: str, port: int, timeout: float = PROGRESS_TIMEOUT, max_bytes: int = PROGRESS_MAX_BYTES
+) -> dict[str, Any]:
+    """GET http://{host}:{port}/progress as a JSON object, or raise :class:`ProgressPollError`.
+
+    Anyone who can run a pod chooses what its port answers, so: redirects are not followed (the
+    operator must never be steered to another address, such as a metadata service), at most
+    ``max_bytes`` of body are read, and the whole exchange ends at ``timeout`` seconds however
+    slowly the bytes trickle (a watchdog shuts the socket at the deadline).
+    """
+    deadline = time.monotonic() + timeout
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    watchdog: threading.Timer | None = None
+    try:
+        conn.connect()
+        sock = conn.sock
+
+        def cut() -> None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+        watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), cut)
+        watchdog.daemon = True
+        watchdog.start()
+        conn.request("GET", "/progress", headers={"Accept": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise ProgressPollError(f"HTTP {resp.status} (redirects are not followed)")
+        declared = resp.getheader("Content-Length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
+            raise ProgressPollError(f"body of {declared} bytes exceeds {max_bytes}")
+        body = bytearray()
+        while chunk := resp.read1(65536):
+            body += chunk
+            if len(body) > max_bytes:
+                raise ProgressPollError(f"body exceeds {max_bytes} bytes")
+        if time.monotonic() >= deadline:
+            raise ProgressPollError(f"no complete answer within {timeout:g}s")
+        if resp.length:  # Content-Length bytes still missing: the peer closed early
+            raise ProgressPollError("body ended early")
+        report = json.loads(bytes(body), parse_constant=_refuse_constant)
+    except (OSError, http.client.HTTPException, ValueError, RecursionError) as exc:
+        if time.monotonic() >= deadline:
+            raise ProgressPollError(f"no complete answer within {timeout:g}s") from exc
+        raise ProgressPollError(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+        conn.close()
+    if not isinstance(report, dict):
+        raise ProgressPollError(f"answer is a JSON {type(report).__name__}, not an object")
+    return report
+
+
 def poll_progress(pod: Mapping[str, Any], port: int, run_id: str) -> dict[str, Any] | None:
     ip = pod.get("status", {}).get("podIP")
     states = {
@@ -94,13 +164,11 @@ def poll_progress(pod: Mapping[str, Any], port: int, run_id: str) -> dict[str, A
     }
     if not ip or "running" not in states.get(EXTRACTOR_CONTAINER, {}):
         return None
-    host = f"[{ip}]" if ":" in ip else ip
     try:
-        with urllib.request.urlopen(f"http://{host}:{port}/progress", timeout=PROGRESS_TIMEOUT) as resp:
-            report = json.loads(resp.read())
-    except (OSError, ValueError):
+        report = fetch_progress(ip, port)
+    except ProgressPollError:
         metrics.ERRORS.labels(kind="progress").inc()
         return None
-    if not isinstance(report, dict) or report.get("runId", run_id) != run_id:
+    if report.get("runId", run_id) != run_id:
         return None
     return report

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from hsx_extractor import protocol
 from hsx_extractor.config import ExtractConfig, OutputSpec
 from hsx_extractor.contract import EXIT_OK, EXIT_PERMANENT, ProgressReport
 from hsx_extractor.protocol import dump_bytes_bound
+from hsx_extractor.run import collect, engine
 from hsx_extractor.run.dataset import Prepared, iter_lines, read_samples
 from hsx_extractor.run.extraction import Extraction, RunResult
 from hsx_extractor.run.progress import Progress, bound_port, start_progress_server
@@ -156,6 +159,25 @@ def test_retry_recovers_a_dropped_dump(tmp_path: Path, ref_server: RefServer) ->
     samples, quarantined = stored(cfg)
     assert quarantined == {} and sorted(samples) == list(range(6))
     assert ref_server.stats()["requests"] == 6 + 3
+
+
+def test_a_lost_response_is_retried_under_a_new_rid(tmp_path: Path, ref_server: RefServer) -> None:
+    """The server ran the request and wrote its dump, then the answer was lost. The retry must go
+    out under a new rid (SGLang rejects a rid it has seen: the sample would be quarantined as
+    server_error), and the abandoned rid's dump must not stay in shm."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(6))
+    ref_server.set_fault("drop_response", every=2, first_attempt_only=True)
+    cfg = base_config(tmp_path, ref_server, dataset, run_id="lost")
+    code, _, progress = run(cfg)
+    assert code == EXIT_OK, progress.last_error
+    samples, quarantined = stored(cfg)
+    assert quarantined == {} and sorted(samples) == list(range(6))
+    stats = ref_server.stats()
+    assert sorted(protocol.parse_rid(r)[1:] for r in stats["faulted"]) == [(0, 0), (2, 0), (4, 0)]
+    assert stats["requests"] == 6 + 3
+    # Consumed dumps went into shards, the cut requests' dumps were swept: nothing of the run is left.
+    assert not [p.name for p in ref_server.dump_dir.iterdir() if "lost" in p.name]
+    verified(cfg)
 
 
 def test_mismatch_gate_stops_the_run_early(tmp_path: Path, ref_server: RefServer) -> None:
@@ -322,6 +344,24 @@ def test_replicas_split_the_shards_and_the_last_one_finalizes(tmp_path: Path, re
     verified(first)
 
 
+def test_a_run_leaves_the_dumps_of_a_run_whose_id_extends_its_own(tmp_path: Path, ref_server: RefServer) -> None:
+    """runId job replica 1 sweeps dead processes of (job, 1) only; a dump of runId job-r1 (whose rids
+    start with the same text) belongs to a live run sharing the server and stays."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(30, words=40))
+    other = protocol.make_rid(protocol.RunKey("job-r1", 0, "c0ffee"), 3, 0)
+    dead = protocol.make_rid(protocol.RunKey("job", 1, "dead00"), 3, 0)
+    for rid in (other, dead):
+        (ref_server.dump_dir / f"{rid}.safetensors").write_bytes(b"\0" * 64)
+    cfg = base_config(tmp_path, ref_server, dataset, run_id="job", replicaCount=2, replicaIndex=1)
+    try:
+        code, result, _ = run(cfg)
+        assert code == EXIT_OK and result is not None and result.shards_done
+        assert (ref_server.dump_dir / f"{other}.safetensors").exists()
+        assert not (ref_server.dump_dir / f"{dead}.safetensors").exists()
+    finally:
+        (ref_server.dump_dir / f"{other}.safetensors").unlink(missing_ok=True)
+
+
 def test_job_completion_index_picks_the_replica(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     cfg = ExtractConfig.model_validate(
         {"runId": "r", "dataset": {"uri": "d"}, "output": {"uri": str(tmp_path)}, "replicaCount": 3}
@@ -352,29 +392,69 @@ def test_extracts_to_real_s3(tmp_path: Path, ref_server: RefServer, s3_env: Any,
 
 
 def test_backpressure_holds_requests_while_the_dump_dir_is_full(
-    tmp_path: Path, ref_server: RefServer
+    tmp_path: Path, ref_server: RefServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """This replica's own files hold the room (here a live writer's partial dump); the wait is
+    reported as a stall in progress.lastError, and sending resumes once the room is free."""
+    monkeypatch.setattr(engine, "STALL_REPORT_SECONDS", 0.3)
     dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(5))
     cfg = ExtractConfig.model_validate(base_config(tmp_path, ref_server, dataset, dumpDirMaxBytes=1 << 20))
-    blocker = ref_server.dump_dir / ".someone-elses-partial-dump"
+    mine = protocol.make_rid(protocol.RunKey("run", 0, "abcdef"), 0, 0)
+    blocker = ref_server.dump_dir / f".{mine}.safetensors.4242.partial"
     blocker.write_bytes(b"\0" * ((1 << 20) + 1))
 
-    async def scenario() -> tuple[int, int, RunResult]:
+    async def scenario() -> tuple[int, int, str | None, RunResult]:
         progress = Progress(cfg.runId, cfg.replicaIndex)
         task = asyncio.create_task(Extraction(cfg, progress).run())
         while progress.state != "running":
             await asyncio.sleep(0.02)
         await asyncio.sleep(1.0)
-        held = (ref_server.stats()["requests"], progress.samples_done)
+        held = (ref_server.stats()["requests"], progress.samples_done, progress.last_error)
         blocker.unlink()  # shm drained: sending resumes
         return *held, await task
 
     try:
-        requests_while_full, done_while_full, result = asyncio.run(scenario())
+        requests_while_full, done_while_full, error, result = asyncio.run(scenario())
     finally:
         blocker.unlink(missing_ok=True)
     assert (requests_while_full, done_while_full) == (0, 0)
+    assert error is not None and error.startswith("back-pressure stalled for ")
+    assert f"hold {(1 << 20) + 1} bytes" in error and "dumpDirMaxBytes 1048576" in error
     assert result.manifest is not None and result.manifest["samples"] == 5
+
+
+def test_backpressure_counts_only_this_runs_files_and_sweeps_dead_runs_orphans(
+    tmp_path: Path, ref_server: RefServer
+) -> None:
+    """Files of other runs and names outside the protocol never hold this run back (nothing here
+    would ever remove them: the wait was endless). Dumps of a run dead for an hour and partials of a
+    dead writer are swept; a live run's fresh dump and foreign names are left alone."""
+    limit = 1 << 20
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(5))
+    cfg = ExtractConfig.model_validate(base_config(tmp_path, ref_server, dataset, dumpDirMaxBytes=limit))
+    d = ref_server.dump_dir
+    live_other = d / f"{protocol.make_rid(protocol.RunKey('other', 0, 'abcdef'), 0, 0)}.safetensors"
+    foreign = d / "someone-elses-file.bin"
+    orphan = d / f"{protocol.make_rid(protocol.RunKey('gone', 0, '123456'), 7, 0)}.safetensors"
+    dead_partial = d / f".{protocol.make_rid(protocol.RunKey('gone', 1, '654321'), 8, 0)}.safetensors.9.partial"
+    for path in (live_other, foreign, orphan, dead_partial):
+        path.write_bytes(b"\0" * (limit + 1))
+    hour_ago = time.time() - collect.ORPHAN_DUMP_SECONDS - 60
+    for path in (orphan, dead_partial):
+        os.utime(path, (hour_ago, hour_ago))
+
+    async def scenario() -> RunResult:
+        progress = Progress(cfg.runId, cfg.replicaIndex)
+        return await asyncio.wait_for(Extraction(cfg, progress).run(), timeout=120)
+
+    try:
+        result = asyncio.run(scenario())
+        assert result.manifest is not None and result.manifest["samples"] == 5
+        assert live_other.exists() and foreign.exists()
+        assert not orphan.exists() and not dead_partial.exists()
+    finally:
+        for path in (live_other, foreign, orphan, dead_partial):
+            path.unlink(missing_ok=True)
 
 
 def test_backpressure_counts_dumps_of_requests_in_flight_before_they_exist(

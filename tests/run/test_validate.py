@@ -162,12 +162,12 @@ def test_abandoned_rids_are_swept_when_they_arrive(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.safetensors"]
 
 
-def test_waiting_bytes_and_prefix_cleanup(tmp_path: Path) -> None:
+def test_waiting_bytes_and_dead_process_cleanup(tmp_path: Path) -> None:
     write(tmp_path, "hsx-run-r0-aaa-1-a0", [1, 2])
     write(tmp_path, "hsx-run-r1-bbb-1-a0", [1, 2])
     total = sum(p.stat().st_size for p in tmp_path.iterdir())
     assert collect.waiting_bytes(tmp_path) == total > 0
-    assert collect.remove_with_prefix(tmp_path, "hsx-run-r0-") == 1
+    assert collect.remove_dead_processes(tmp_path, protocol.RunKey("run", 0, "ccc")) == 1
     assert [p.name for p in tmp_path.iterdir()] == ["hsx-run-r1-bbb-1-a0.safetensors"]
     assert collect.waiting_bytes(tmp_path / "missing") == 0
 
@@ -188,15 +188,34 @@ def test_gate_trips_only_past_min_samples_and_rate() -> None:
 
 
 def test_sweep_removes_a_dead_processes_late_dumps(tmp_path: Path) -> None:
-    c = Collector(tmp_path, stale_prefix="hsx-run-r0-", own_prefix="hsx-run-r0-new-")
-    for rid in ("hsx-run-r0-old-3-a0", "hsx-run-r0-new-3-a0", "hsx-run-r1-xyz-3-a0", "other"):
+    c = Collector(tmp_path, own=protocol.RunKey("run", 0, "beef"))
+    for rid in ("hsx-run-r0-dead-3-a0", "hsx-run-r0-beef-3-a0", "hsx-run-r1-abcd-3-a0", "other"):
         write(tmp_path, rid, [1])
     assert c.sweep() == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "hsx-run-r0-new-3-a0.safetensors",
-        "hsx-run-r1-xyz-3-a0.safetensors",
+        "hsx-run-r0-beef-3-a0.safetensors",
+        "hsx-run-r1-abcd-3-a0.safetensors",
         "other.safetensors",
     ]
+
+
+def test_sweep_matches_the_parsed_run_and_replica_not_a_name_prefix(tmp_path: Path) -> None:
+    """runId job replica 1 once deleted the live dumps of runId job-r1 ("hsx-job-r1-" is a prefix of
+    both) and of job replica 10's rids if the prefix lost its dash."""
+    own = protocol.RunKey("job", 1, "aaaaaa")
+    live_others = [
+        protocol.make_rid(protocol.RunKey("job-r1", 0, "cccccc"), 3, 0),
+        protocol.make_rid(protocol.RunKey("job-r1-bbbbbb", 2, "dddddd"), 4, 1),
+        protocol.make_rid(protocol.RunKey("job", 10, "eeeeee"), 5, 0),
+        protocol.make_rid(own, 6, 0),
+    ]
+    dead = protocol.make_rid(protocol.RunKey("job", 1, "bbbbbb"), 3, 0)
+    for rid in [*live_others, dead]:
+        write(tmp_path, rid, [1])
+    assert Collector(tmp_path, own=own).sweep() == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{r}.safetensors" for r in live_others)
+    assert collect.remove_dead_processes(tmp_path, protocol.RunKey("job", 1, "ffffff")) == 1  # own's, now dead
+    assert not (tmp_path / f"{live_others[-1]}.safetensors").exists()
 
 
 def test_waiting_bytes_leaves_out_reserved_rids_and_dead_writers_partials(tmp_path: Path) -> None:
@@ -216,3 +235,28 @@ def test_waiting_bytes_leaves_out_reserved_rids_and_dead_writers_partials(tmp_pa
     # The collector's sweep frees the dead writer's shm; a live partial is left to its writer.
     assert Collector(tmp_path).sweep() == 1
     assert not dead.exists() and live.exists() and mine.exists()
+
+
+def test_waiting_bytes_of_one_replica_and_orphans_of_dead_runs(tmp_path: Path) -> None:
+    own = protocol.RunKey("job", 1, "aaaaaa")
+    ours = protocol.make_rid(own, 1, 0)
+    dead_process = protocol.make_rid(protocol.RunKey("job", 1, "bbbbbb"), 2, 0)
+    other_run = protocol.make_rid(protocol.RunKey("job-r1", 0, "cccccc"), 3, 0)
+    old_run = protocol.make_rid(protocol.RunKey("old", 0, "dddddd"), 4, 0)
+    for rid in (ours, dead_process, other_run, old_run):
+        write(tmp_path, rid, [1, 2])
+    (tmp_path / "unrelated.bin").write_bytes(b"x" * 1000)
+    (tmp_path / f".{ours}.safetensors.5.partial").write_bytes(b"x" * 10)
+    size = (tmp_path / f"{ours}.safetensors").stat().st_size
+    assert collect.waiting_bytes(tmp_path, own=own) == 2 * size + 10  # ours, the dead process's, our partial
+    assert collect.waiting_bytes(tmp_path, exclude_rids={ours}, own=own) == size
+    hour_ago = time.time() - collect.ORPHAN_DUMP_SECONDS - 1
+    for rid in (old_run, other_run):
+        os.utime(tmp_path / f"{rid}.safetensors", (hour_ago, hour_ago))
+    os.utime(tmp_path / "unrelated.bin", (hour_ago, hour_ago))
+    os.utime(tmp_path / f"{ours}.safetensors", (hour_ago, hour_ago))
+    # Other runs' dumps an hour old go; ours (however old), and names outside the protocol, stay.
+    assert collect.remove_orphans(tmp_path, own) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{ours}.safetensors", f"{dead_process}.safetensors", "unrelated.bin", f".{ours}.safetensors.5.partial"]
+    )

@@ -67,7 +67,7 @@ def seq_len_of(index: int) -> int:
 
 def write_run(store, plan, hidden: int = 64, quarantine: frozenset[int] = frozenset(), seed: int = 0):  # type: ignore[no-untyped-def]
     """Write every uncommitted shard of ``plan`` the way the pipeline does; returns the commits."""
-    from hsx_extractor.storage.shard_format import QuarantineEntry
+    from hsx_extractor.storage.commit_record import QuarantineEntry
 
     store.put_json_if_absent("plan.json", plan)
     done = store.committed_shards()

@@ -48,6 +48,7 @@ def _client_error(status: int, code: str) -> botocore.exceptions.ClientError:
         (429, "TooManyRequests", TRANSIENT),
         (400, "RequestTimeout", TRANSIENT),
         (400, "InvalidArgument", PERMANENT),
+        (403, "RequestTimeTooSkewed", PERMANENT),  # the clock is wrong on every retry too
     ],
 )
 def test_s3_errors_are_classified(status: int, code: str, kind: str) -> None:
@@ -178,3 +179,16 @@ def test_a_read_timeout_is_retried(s3_env: S3Server, s3_bucket: str) -> None:
         backend = S3Backend(make_client(S3Endpoint.of(spec), config), s3_bucket, config, "k")
         assert backend.get("k/obj") == b"payload"
         assert slow_get.times == 0 and backend.retrier.retries == 1
+
+
+@pytest.mark.s3
+def test_a_skewed_clock_fails_at_once_saying_so(s3_env: S3Server, s3_bucket: str) -> None:
+    """RequestTimeTooSkewed: every retry would be signed with the same wrong clock. One try, then a
+    permanent error that says to fix the clock (not minutes of backoff ending in a 'transient')."""
+    skewed = Injection("PUT", "plan.json", 403, "RequestTimeTooSkewed", times=100)
+    with FaultProxy(s3_env.endpoint, FaultPlan(seed=0, rate=0.0, injections=[skewed])) as proxy:
+        store = open_store(_spec(proxy.endpoint, s3_bucket), "run-1")
+        with pytest.raises(PermanentStoreError, match="clock") as info:
+            store.put_json_if_absent("plan.json", {"a": 1})
+    assert skewed.times == 99, proxy.counts  # one try, no retry
+    assert info.value.exit_code == 3 and "RequestTimeTooSkewed" in str(info.value)

@@ -279,3 +279,43 @@ def test_reader_in_dataloader_workers(s3_env: S3Server, s3_bucket: str) -> None:
     assert lengths == [seq_len_of(i) for i in range(10)]
     clone = pickle.loads(pickle.dumps(dataset))
     assert clone[3]["aux_hidden_state"].shape == (1, seq_len_of(3), 96)
+
+
+def _commit_body(server: S3Server, bucket: str, key: str) -> dict[str, Any]:
+    return json.loads(server.client().get_object(Bucket=bucket, Key=key)["Body"].read())  # type: ignore[no-any-return]
+
+
+def test_reader_refuses_a_commit_record_naming_another_runs_shard(s3_env: S3Server, s3_bucket: str) -> None:
+    """A record of run a that names run b's object (with b's checksum and size: b's data is intact
+    and verifies sample by sample) must not make a reader of a serve b's samples."""
+    spec = _spec(s3_env, s3_bucket, compression="none")
+    for run, seed in (("run-a", 0), ("run-b", 1)):
+        store = open_store(spec, run)
+        write_run(store, plan_for(6, 3), hidden=16, seed=seed)
+        finalize_run(store, {})
+    record_key = "team/out/run-a/commits/shard-000000.json"
+    theirs = _commit_body(s3_env, s3_bucket, "team/out/run-b/commits/shard-000000.json")
+    body = {**_commit_body(s3_env, s3_bucket, record_key)}
+    body.update(key=theirs["key"], checksum=theirs["checksum"], bytesStored=theirs["bytesStored"])
+    s3_env.client().put_object(Bucket=s3_bucket, Key=record_key, Body=json.dumps(body).encode())
+    with pytest.raises(ValueError, match=r"names key 'team/out/run-b/shards/.*not this run's"):
+        HiddenStatesDataset(f"s3://{s3_bucket}/team/out/run-a", output=spec)
+
+
+def test_reader_checks_the_shard_header_against_the_commit_record(s3_env: S3Server, s3_bucket: str) -> None:
+    """Run a's shard object replaced by other, self-consistent bytes (b's shard of the same rows: the
+    same size, every sample checksum valid). Only the header checksum in the commit record tells."""
+    spec = _spec(s3_env, s3_bucket, compression="none")
+    for run, seed in (("run-a", 0), ("run-b", 1)):
+        store = open_store(spec, run)
+        write_run(store, plan_for(6, 3), hidden=16, seed=seed)
+        finalize_run(store, {})
+    ours = _commit_body(s3_env, s3_bucket, "team/out/run-a/commits/shard-000000.json")
+    theirs = _commit_body(s3_env, s3_bucket, "team/out/run-b/commits/shard-000000.json")
+    assert ours["bytesStored"] == theirs["bytesStored"] and ours["checksum"] != theirs["checksum"]
+    client = s3_env.client()
+    client.copy_object(Bucket=s3_bucket, Key=ours["key"], CopySource={"Bucket": s3_bucket, "Key": theirs["key"]})
+    dataset = HiddenStatesDataset(f"s3://{s3_bucket}/team/out/run-a", output=spec)
+    with pytest.raises(ValueError, match=f"shard 0: header checksum {theirs['checksum']}, commit record says"):
+        dataset[0]
+    assert dataset[3]["input_ids"].shape[0] == seq_len_of(3)  # shard 1 is intact and still reads

@@ -98,6 +98,22 @@ def test_extract_then_verify_and_damage_is_caught(tmp_path: Path, ref_server: Re
     assert main(["verify", str(run_dir)]) != EXIT_OK
 
 
+@pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "0", "-0.5", "1.5", "half"])
+def test_verify_sample_outside_0_1_is_a_usage_error(tmp_path: Path, capsys: Any, value: str) -> None:
+    """argparse's usage error (exit 2, the flag named), never a traceback from inside verify."""
+    with pytest.raises(SystemExit) as info:
+        main(["verify", str(tmp_path / "out" / "run"), "--sample", value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--sample" in err and "Traceback" not in err
+
+
+def test_verify_sample_in_range_is_accepted() -> None:
+    args = parser().parse_args(["verify", "out/run", "--sample", "1"])
+    assert args.sample == 1.0
+    assert parser().parse_args(["verify", "out/run", "--sample", "0.25"]).sample == 0.25
+
+
 def test_report_loop_writes_flushed_lines() -> None:
     class Stream(io.StringIO):
         flushes = 0

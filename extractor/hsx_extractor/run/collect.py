@@ -97,10 +97,13 @@ def waiting_bytes(
     dump_dir: str | os.PathLike[str],
     exclude_rids: Container[str] = (),
     stale_after: float = STALE_PARTIAL_SECONDS,
+    own: protocol.RunKey | None = None,
 ) -> int:
     """Bytes of the files in the dump directory, except those of ``exclude_rids`` (the caller
     counts them itself) and stale partials (a dead writer's; they would block back-pressure forever).
-    Live partials count: they hold shm too."""
+    Live partials count: they hold shm too. With ``own``, only the files of rids sent by ``own``'s
+    run and replica count (any process of it: a dead one's are swept): another run's files, or
+    names outside the protocol, are not ours to wait for - nobody here would ever remove them."""
     total = 0
     now = time.time()
     try:
@@ -115,10 +118,42 @@ def waiting_bytes(
                 rid = protocol.rid_of(entry.name) or protocol.rid_of_partial(entry.name)
                 if rid is not None and rid in exclude_rids:
                     continue
+                if own is not None:
+                    owner = protocol.owner_of(rid) if rid is not None else None
+                    if owner is None or not owner.same_replica(own):
+                        continue
                 total += st.st_size
     except FileNotFoundError:
         return 0
     return total
+
+
+# A live extractor takes (or, abandoning it, deletes) a dump within seconds of its arrival; a
+# complete dump of another run untouched this long belongs to a run that is gone.
+ORPHAN_DUMP_SECONDS = 3600.0
+
+
+def remove_orphans(
+    dump_dir: str | os.PathLike[str], own: protocol.RunKey, older_than: float = ORPHAN_DUMP_SECONDS
+) -> int:
+    """Delete complete dumps/markers of other runs' rids older than ``older_than`` seconds: their
+    extractor is dead and nobody else would free their shm. Names outside the protocol are left."""
+    removed = 0
+    now = time.time()
+    with os.scandir(dump_dir) as entries:
+        for entry in entries:
+            rid = protocol.rid_of(entry.name)
+            owner = protocol.owner_of(rid) if rid is not None else None
+            if owner is None or owner.same_replica(own):
+                continue
+            try:
+                mtime = entry.stat(follow_symlinks=False).st_mtime
+            except FileNotFoundError:
+                continue
+            if now - mtime > older_than:
+                Path(entry.path).unlink(missing_ok=True)
+                removed += 1
+    return removed
 
 
 def remove_stale_partials(
@@ -139,12 +174,16 @@ def remove_stale_partials(
     return removed
 
 
-def remove_with_prefix(dump_dir: str | os.PathLike[str], rid_prefix: str) -> int:
-    """Delete complete dumps/markers whose rid starts with ``rid_prefix`` (a dead process's leftovers)."""
+def remove_dead_processes(dump_dir: str | os.PathLike[str], own: protocol.RunKey) -> int:
+    """Delete complete dumps/markers sent by another process of ``own``'s run and replica: one
+    replica has one live extractor, so they are a dead earlier process's leftovers. Matched on the
+    parsed (run, replica, process) of each rid, never on a name prefix: runId ``job`` replica 1
+    must not touch the dumps of runId ``job-r1``."""
     removed = 0
     for entry in os.scandir(dump_dir):
         rid = protocol.rid_of(entry.name)
-        if rid is not None and rid.startswith(rid_prefix):
+        owner = protocol.owner_of(rid) if rid is not None else None
+        if owner is not None and owner.same_replica(own) and owner.process != own.process:
             Path(entry.path).unlink(missing_ok=True)
             removed += 1
     return removed
@@ -158,20 +197,20 @@ class Collector:
         dump_dir: str | os.PathLike[str],
         poll_min: float = 0.002,
         poll_max: float = 0.05,
-        stale_prefix: str | None = None,
-        own_prefix: str | None = None,
+        own: protocol.RunKey | None = None,
         stale_partial_seconds: float = STALE_PARTIAL_SECONDS,
+        orphan_seconds: float = ORPHAN_DUMP_SECONDS,
     ) -> None:
         self.dump_dir = Path(dump_dir)
         self.stale_partial_seconds = stale_partial_seconds
+        self.orphan_seconds = orphan_seconds
         self.poll_min = poll_min
         self.poll_max = poll_max
         # Rids given up on: a late dump for them is deleted when it appears, never used.
         self._abandoned: set[str] = set()
-        # Rids under stale_prefix but not own_prefix belong to a dead earlier process of this
-        # replica; the server may still finish its last requests after a restart.
-        self.stale_prefix = stale_prefix
-        self.own_prefix = own_prefix
+        # This process's key: dumps of another process of its run and replica are a dead earlier
+        # process's (the server may still finish its last requests after a restart).
+        self.own = own
 
     async def wait(self, rid: str, timeout: float) -> Arrival | Mismatch | None:
         """The rid's dump or error marker, or None if neither appeared within ``timeout`` seconds."""
@@ -192,15 +231,12 @@ class Collector:
         remove(self.dump_dir, rid)
 
     def sweep(self) -> int:
-        """Delete late arrivals of abandoned rids and of dead processes; returns how many files went."""
+        """Delete late arrivals of abandoned rids, dumps of dead processes of this replica, orphans of
+        dead runs and partials of dead writers; returns how many files went."""
         gone = remove_stale_partials(self.dump_dir, self.stale_partial_seconds)
-        if self.stale_prefix is not None:
-            for entry in os.scandir(self.dump_dir):
-                rid = protocol.rid_of(entry.name)
-                own = self.own_prefix is not None and rid is not None and rid.startswith(self.own_prefix)
-                if rid is not None and rid.startswith(self.stale_prefix) and not own:
-                    Path(entry.path).unlink(missing_ok=True)
-                    gone += 1
+        if self.own is not None:
+            gone += remove_dead_processes(self.dump_dir, self.own)
+            gone += remove_orphans(self.dump_dir, self.own, self.orphan_seconds)
         for rid in list(self._abandoned):
             for path in (protocol.dump_path(self.dump_dir, rid), protocol.error_path(self.dump_dir, rid)):
                 if path.exists():

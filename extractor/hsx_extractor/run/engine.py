@@ -5,16 +5,17 @@ are between reading and their shard; tokenizing runs in a thread, store I/O in i
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.model import ModelShape
-from hsx_extractor.protocol import dump_bytes_bound, make_rid
+from hsx_extractor.protocol import RunKey, dump_bytes_bound, make_rid
 from hsx_extractor.reasons import Reason
 from hsx_extractor.run import collect
 from hsx_extractor.run.collect import Collector
@@ -24,8 +25,12 @@ from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.server_client import RequestRejected, ServerClient
 from hsx_extractor.run.validate import Mismatch, MismatchGate
 from hsx_extractor.storage.backends import StoreError
-from hsx_extractor.storage.shard_format import QuarantineEntry, SampleRecord, ShardCommit
+from hsx_extractor.storage.commit_record import QuarantineEntry, ShardCommit
+from hsx_extractor.storage.shard_format import SampleRecord
 from hsx_extractor.storage.store import ShardBuilder, Store
+
+# A sender waiting this long for room in the dump directory is reported as stalled.
+STALL_REPORT_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -35,10 +40,9 @@ class EngineContext:
     cfg: ExtractConfig
     progress: Progress
     gate: MismatchGate
-    # Dumps named with this prefix belong to this replica (an earlier process's are stale).
-    rid_prefix: str
-    # This process's own key: every rid it sends starts with it.
-    run_key: str
+    # This process's key (run, replica, process): every rid it sends is made with it; dumps of
+    # another process of the same run and replica are a dead earlier process's.
+    run_key: RunKey
     store_thread: ThreadPoolExecutor
     seal_threads: ThreadPoolExecutor
 
@@ -71,14 +75,14 @@ class ShardWorker:
         self.shape = shape
         self.shards = shards
         self.shard_of = shard_of
-        self.collector = Collector(
-            self.cfg.dumpDir, stale_prefix=f"hsx-{ctx.rid_prefix}-", own_prefix=f"hsx-{ctx.run_key}-"
-        )
+        self.collector = Collector(self.cfg.dumpDir, own=ctx.run_key)
         self.commits: list[ShardCommit] = []
         # Dump bytes expected for each request in flight (rid -> bytes), until its dump is gone.
         self._reserved: dict[str, int] = {}
         # Samples between read and shard; twice the requests in flight keeps the server fed.
         self._active = asyncio.Semaphore(2 * self.cfg.concurrency)
+        # When back-pressure began a stall that was reported (None: not stalled).
+        self._stalled_since: float | None = None
 
     async def run(self, reader: Callable[[Callable[[Prepared | Rejected], None]], None]) -> None:
         loop = asyncio.get_running_loop()
@@ -139,29 +143,43 @@ class ShardWorker:
             await asyncio.to_thread(self.collector.sweep)
 
     async def _reserve(self, rid: str, nbytes: int) -> None:
-        """Wait until a dump of ``nbytes`` fits under dumpDirMaxBytes, counting the dumps of requests
-        in flight at their full size before they exist, then reserve its room.
+        """Wait until a dump of ``nbytes`` fits under dumpDirMaxBytes, counting this run's dumps on
+        disk and the dumps of its requests in flight at their full size before they exist, then
+        reserve its room. Other runs' files are not counted: nothing here would ever free them.
 
         Checking and reserving happen with no await between them, so concurrent senders cannot
         overshoot the limit together. A sample bigger than the limit alone still goes once nothing
-        else of ours is in flight (it would wait forever otherwise) and is reported.
+        else of ours is in flight (it would wait forever otherwise) and is reported. A wait longer
+        than STALL_REPORT_SECONDS is reported (progress lastError and the log), once per stall.
         """
         limit = self.cfg.dumpDirMaxBytes
         waited_since: float | None = None
         while True:
-            on_disk = collect.waiting_bytes(self.cfg.dumpDir, exclude_rids=self._reserved)
-            held = on_disk + sum(self._reserved.values())
+            on_disk = collect.waiting_bytes(self.cfg.dumpDir, exclude_rids=self._reserved, own=self.ctx.run_key)
+            reserved = sum(self._reserved.values())
+            held = on_disk + reserved
             oversized_alone = nbytes > limit and held == 0
             if held + nbytes <= limit or oversized_alone:
                 if oversized_alone:
                     self.progress.last_error = f"back-pressure: one dump of {nbytes} bytes exceeds dumpDirMaxBytes {limit}; sent alone"
+                if self._stalled_since is not None:
+                    stalled = time.monotonic() - self._stalled_since
+                    print(f"hsx: back-pressure: sending again after {stalled:.0f}s stalled", flush=True)
+                    self._stalled_since = None
                 self._reserved[rid] = nbytes
                 return
-            waited_since = waited_since or time.monotonic()
-            if time.monotonic() - waited_since > 10:
+            now = time.monotonic()
+            waited_since = waited_since or now
+            if self._stalled_since is None and now - waited_since > STALL_REPORT_SECONDS:
+                self._stalled_since = waited_since
                 self.progress.last_error = (
-                    f"back-pressure: {held} bytes of dumps waiting or expected > dumpDirMaxBytes {limit}"
+                    f"back-pressure stalled for {now - waited_since:.0f}s: this run's dumps in "
+                    f"{self.cfg.dumpDir} hold {on_disk} bytes and its {len(self._reserved)} requests in flight "
+                    f"reserve {reserved}; one more dump of {nbytes} would pass dumpDirMaxBytes {limit}. "
+                    "Other runs' files are not counted. If this lasts, dumps are not being collected: "
+                    "check the server's dump directory and the extractor's store"
                 )
+                print(f"hsx: {self.progress.last_error}", flush=True)
             await asyncio.sleep(0.02)
 
     async def _sample(self, sample: Prepared) -> None:
@@ -169,14 +187,18 @@ class ShardWorker:
         ids = sample.input_ids.tolist()
         outcome: Mismatch | None = None
         dump_bytes = dump_bytes_bound(len(ids), self.shape.hidden_size, len(self.shape.capture_layers))
-        for attempt in range(v.maxRetries + 1):
-            rid = make_rid(self.ctx.run_key, sample.index, attempt)
+        # Every request sent for this sample, HTTP retries included, has its own attempt number.
+        numbers = itertools.count()
+        for retry in range(v.maxRetries + 1):
+            rid = make_rid(self.ctx.run_key, sample.index, next(numbers))
             await self._reserve(rid, dump_bytes)
+            sent = [rid]
             try:
-                outcome = await self._attempt(sample, ids, rid, attempt)
+                outcome = await self._attempt(sample, ids, sent, numbers, retry)
             finally:
                 # Its dump is in the shard, removed, or abandoned (swept when it lands).
-                self._reserved.pop(rid, None)
+                for r in sent:
+                    self._reserved.pop(r, None)
             if outcome is None:
                 self.gate.record(False)
                 return
@@ -197,18 +219,30 @@ class ShardWorker:
         if verdict:
             raise permanent(verdict)
 
-    async def _attempt(self, sample: Prepared, ids: list[int], rid: str, attempt: int) -> Mismatch | None:
-        """One request for ``sample``: None once its record is in its shard, else why not."""
+    async def _attempt(
+        self, sample: Prepared, ids: list[int], sent: list[str], numbers: Iterator[int], retry: int
+    ) -> Mismatch | None:
+        """One request for ``sample`` (first sent as ``sent[0]``): None once its record is in its
+        shard, else why not. An HTTP retry goes out under a new rid (appended to ``sent``); the rid
+        whose answer was lost is abandoned, so its dump is deleted whenever it lands."""
         v = self.cfg.validation
+
+        def renew(lost: str) -> str:
+            rid = make_rid(self.ctx.run_key, sample.index, next(numbers))
+            self._reserved[rid] = self._reserved.pop(lost, 0)  # the new rid takes over the room
+            self.collector.abandon(lost)
+            sent.append(rid)
+            return rid
+
         try:
-            await self.client.generate(ids, rid)
+            rid = (await self.client.generate(ids, sent[0], renew)).rid
         except RequestRejected as exc:
-            return Mismatch(Reason.SERVER_ERROR, f"rid {rid}: {exc}")
+            return Mismatch(Reason.SERVER_ERROR, f"rid {exc.rid}: {exc}")
         arrival = await self.collector.wait(rid, v.dumpTimeoutSeconds)
         if arrival is None:
             self.collector.abandon(rid)
             return Mismatch(
-                Reason.NO_DUMP, f"no dump for {rid} within {v.dumpTimeoutSeconds:g}s ({attempt + 1} attempts)"
+                Reason.NO_DUMP, f"no dump for {rid} within {v.dumpTimeoutSeconds:g}s ({retry + 1} attempts)"
             )
         checked = await asyncio.to_thread(
             collect.check_collected,

@@ -20,6 +20,7 @@ import aiohttp
 from hsx_extractor import __version__
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.model import ModelShape, check_vocab, model_fingerprint, model_shape
+from hsx_extractor.protocol import RunKey
 from hsx_extractor.reasons import Reason
 from hsx_extractor.run import collect
 from hsx_extractor.run.dataset import (
@@ -38,7 +39,7 @@ from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.server_client import ServerClient
 from hsx_extractor.run.tokens import ChatTokenizer, TokenizerError
 from hsx_extractor.run.validate import MismatchGate
-from hsx_extractor.storage.shard_format import ShardCommit
+from hsx_extractor.storage.commit_record import ShardCommit
 from hsx_extractor.storage.store import Store, open_store, uri_stat
 
 SERVER_START_TIMEOUT_S = 600.0
@@ -72,8 +73,7 @@ class Extraction:
             cfg.validation.maxMismatchRate, cfg.validation.gateWindow, cfg.validation.gateMinSamples
         )
         # A fresh key per process: a restarted extractor never reuses a rid the server has seen.
-        self.rid_prefix = f"{cfg.runId}-r{self.cfg.replicaIndex}"
-        self.run_key = f"{self.rid_prefix}-{os.urandom(3).hex()}"
+        self.run_key = RunKey(cfg.runId, self.cfg.replicaIndex, os.urandom(3).hex())
         self.store_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsx-store")
         self.seal_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hsx-seal")
 
@@ -186,9 +186,9 @@ class Extraction:
     async def _run_with(self, store: Store, tok: ChatTokenizer) -> RunResult:
         cfg = self.cfg
         Path(cfg.dumpDir).mkdir(parents=True, exist_ok=True)
-        stale = collect.remove_with_prefix(cfg.dumpDir, f"hsx-{self.rid_prefix}-")
+        stale = collect.Collector(cfg.dumpDir, own=self.run_key).sweep()
         if stale:
-            print(f"hsx: removed {stale} dumps left by an earlier process of this replica", flush=True)
+            print(f"hsx: removed {stale} dumps left by dead processes or runs in {cfg.dumpDir}", flush=True)
         connector = aiohttp.TCPConnector(limit=cfg.concurrency + 4)
         async with aiohttp.ClientSession(connector=connector) as session:
             client = ServerClient(cfg.serverUrl, session, cfg.concurrency)
@@ -254,7 +254,6 @@ class Extraction:
             self.cfg,
             self.progress,
             self.gate,
-            self.rid_prefix,
             self.run_key,
             self.store_thread,
             self.seal_threads,

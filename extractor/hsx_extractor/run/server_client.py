@@ -2,6 +2,10 @@
 
 Knows the wire format and nothing else. At most ``concurrency`` requests are in flight; the
 caller queues more than that so the server always has the next request waiting.
+
+A retried POST never reuses its rid: once a request was sent, the server may have run it (and
+written its dump) even if the answer was lost, and SGLang rejects a rid it has seen. The caller
+supplies the next rid for each retry (``renew``) and learns which rid was finally answered.
 """
 
 from __future__ import annotations
@@ -9,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -20,12 +25,21 @@ class ServerUnavailable(RuntimeError):
 
 
 class RequestRejected(RuntimeError):
-    """The server answered this one request with a client error (4xx)."""
+    """The server answered this one request (sent as ``rid``) with a client error (4xx)."""
 
-    def __init__(self, status: int, body: str) -> None:
+    def __init__(self, status: int, body: str, rid: str = "") -> None:
         super().__init__(f"HTTP {status}: {body[:500]}")
         self.status = status
         self.body = body
+        self.rid = rid
+
+
+@dataclass(frozen=True)
+class Answered:
+    """The server's answer to /generate and the rid it answered (the last one sent)."""
+
+    rid: str
+    body: dict[str, Any]
 
 
 def generate_body(input_ids: Sequence[int], rid: str) -> dict[str, Any]:
@@ -88,36 +102,42 @@ class ServerClient:
             raise ServerUnavailable(f"{self.base_url}/get_model_info returned {type(info).__name__}")
         return info
 
-    async def generate(self, input_ids: Sequence[int], rid: str) -> dict[str, Any]:
-        """POST /generate for one rid. Retries connection failures and 5xx; raises
-        :class:`RequestRejected` on 4xx and :class:`ServerUnavailable` when retries run out."""
-        body = generate_body(input_ids, rid)
+    async def generate(
+        self, input_ids: Sequence[int], rid: str, renew: Callable[[str], str]
+    ) -> Answered:
+        """POST /generate, first as ``rid``. Retries connection failures and 5xx, each retry under
+        ``renew(previous rid)`` (a new rid); raises :class:`RequestRejected` on 4xx and
+        :class:`ServerUnavailable` when retries run out."""
         async with self._slots:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             try:
-                return await self._post_with_retries(body)
+                return await self._post_with_retries(input_ids, rid, renew)
             finally:
                 self.in_flight -= 1
 
-    async def _post_with_retries(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post_with_retries(
+        self, input_ids: Sequence[int], rid: str, renew: Callable[[str], str]
+    ) -> Answered:
         last = ""
+        first = rid
         for attempt in range(self.connect_retries + 1):
             if attempt:
                 await asyncio.sleep(min(0.5 * 2**attempt, 10.0))
+                rid = renew(rid)
             try:
                 async with self.session.post(
-                    f"{self.base_url}/generate", json=body, timeout=self.request_timeout
+                    f"{self.base_url}/generate", json=generate_body(input_ids, rid), timeout=self.request_timeout
                 ) as r:
                     text = await r.text()
                     if r.status < 400:
                         out = json.loads(text) if text else {}
-                        return out if isinstance(out, dict) else {"response": out}
+                        return Answered(rid, out if isinstance(out, dict) else {"response": out})
                     if r.status < 500:
-                        raise RequestRejected(r.status, text)
+                        raise RequestRejected(r.status, text, rid)
                     last = f"HTTP {r.status}: {text[:300]}"
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
         raise ServerUnavailable(
-            f"/generate for {body['rid']} failed {self.connect_retries + 1} times: {last}"
+            f"/generate failed {self.connect_retries + 1} times (rids {first} .. {rid}): {last}"
         )

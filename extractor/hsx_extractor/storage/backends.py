@@ -91,6 +91,9 @@ class LocalBackend:
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         with open(self._path(key), "rb") as f:
+            # What exists, like S3: read(length) would first allocate ``length`` bytes, whatever
+            # the file holds (a damaged index asking for 2**36 bytes of a small file).
+            length = max(0, min(length, os.fstat(f.fileno()).st_size - start))
             f.seek(start)
             return f.read(length)
 

@@ -6,7 +6,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from hsx_extractor import __version__
-from hsx_extractor.storage.shard_format import MANIFEST_VERSION, ShardCommit
+from hsx_extractor.storage.commit_record import ShardCommit
+from hsx_extractor.storage.shard_format import MANIFEST_VERSION
 
 
 def build_manifest(

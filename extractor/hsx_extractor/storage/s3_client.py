@@ -39,7 +39,6 @@ _THROTTLE_CODES = frozenset(
         "RequestTimeout",
         "InternalError",
         "ServiceUnavailable",
-        "RequestTimeTooSkewed",
     }
 )
 _CONNECTION_ERRORS = (
@@ -63,6 +62,9 @@ _CAUSES = {
     "InvalidBucketName": "the bucket name is invalid",
     "ExpiredToken": "the session token expired",
     "InvalidToken": "the session token is invalid",
+    # Every retry is signed with the same wrong clock: waiting cannot help, fixing the clock does.
+    "RequestTimeTooSkewed": "this machine's clock differs from the store's by more than it allows "
+    "(RequestTimeTooSkewed): sync the node's clock (NTP/chrony) and restart",
 }
 
 

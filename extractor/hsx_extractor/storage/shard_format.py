@@ -11,18 +11,30 @@ valid safetensors file. Pure functions; no I/O.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
 import xxhash
 
 from hsx_extractor.storage.compress import CODEC_RAW, CODECS, CodecError, decode_bf16_array, encode_bf16_parts
+from hsx_extractor.storage.layout import MAX_SHARDS
+from hsx_extractor.storage.stored_json import (
+    MAX_INDEX,
+    ShardFormatError,
+    json_dict,
+    json_hex16,
+    json_int,
+    json_list,
+    json_str,
+    load_json,
+    show,
+)
 
 FORMAT_VERSION: Final = "hsx-shard/1"
-COMMIT_VERSION: Final = "hsx-commit/1"
 MANIFEST_VERSION: Final = "hsx-manifest/1"
 # Output compression setting (OutputSpec.compression) -> codec for the hidden-state tensors.
 COMPRESSION_CODECS: Final = {"none": "raw", "bf16-zstd": "bf16-split-zstd"}
@@ -40,10 +52,6 @@ _DTYPES: Final[dict[str, np.dtype[Any]]] = {
     "U8": np.dtype("u1"),
     "BF16": np.dtype("<u2"),
 }
-
-
-class ShardFormatError(ValueError):
-    """Stored bytes do not form a valid shard or sample (damage, truncation, bad checksum)."""
 
 
 def checksum(data: bytes | memoryview) -> str:
@@ -101,23 +109,6 @@ def check_sample(rec: SampleRecord) -> None:
 
 
 @dataclass(frozen=True)
-class QuarantineEntry:
-    """A dataset row that produced no sample, and why."""
-
-    index: int  # position in the dataset
-    sample_id: str | None  # the row's id, when it could be read
-    reason: str  # short machine-readable reason (too_long, no_dump, mismatch_length, ...)
-    detail: str  # human-readable explanation
-
-    def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "sampleId": self.sample_id, "reason": self.reason, "detail": self.detail}
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> QuarantineEntry:
-        return cls(int(obj["index"]), obj.get("sampleId"), str(obj["reason"]), str(obj.get("detail", "")))
-
-
-@dataclass(frozen=True)
 class TensorEntry:
     """One stored tensor of a sample."""
 
@@ -130,7 +121,7 @@ class TensorEntry:
 
     @property
     def num_values(self) -> int:
-        return int(np.prod(self.shape))
+        return math.prod(self.shape)  # Python ints: a hostile shape cannot wrap around
 
     @property
     def raw_length(self) -> int:
@@ -141,8 +132,20 @@ class TensorEntry:
 
     @classmethod
     def from_json(cls, obj: Sequence[Any]) -> TensorEntry:
+        if not isinstance(obj, list) or len(obj) != 6:
+            raise ShardFormatError(f"a tensor entry must be [name, dtype, shape, codec, offset, length], got {show(obj)}")
         name, dtype, shape, codec, offset, length = obj
-        return cls(str(name), str(dtype), tuple(int(s) for s in shape), str(codec), int(offset), int(length))
+        dims = json_list(shape, "tensor shape")
+        if not 1 <= len(dims) <= 2:
+            raise ShardFormatError(f"tensor {show(name)}: shape must have 1 or 2 dimensions, got {len(dims)}")
+        return cls(
+            json_str(name, "tensor name"),
+            json_str(dtype, "tensor dtype"),
+            tuple(json_int(d, "tensor dimension") for d in dims),
+            json_str(codec, "tensor codec"),
+            json_int(offset, "tensor offset"),
+            json_int(length, "tensor length"),
+        )
 
 
 @dataclass(frozen=True)
@@ -180,14 +183,18 @@ class SampleEntry:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> SampleEntry:
+        obj = json_dict(obj, "sample entry")
+        tensors = json_list(obj["tensors"], "sample tensors")
+        if len(tensors) != len(TENSOR_ORDER):
+            raise ShardFormatError(f"a sample has {len(TENSOR_ORDER)} tensors, got {len(tensors)}")
         return cls(
-            index=int(obj["index"]),
-            sample_id=str(obj["sampleId"]),
-            offset=int(obj["offset"]),
-            length=int(obj["length"]),
-            seq_len=int(obj["seqLen"]),
-            checksum=str(obj["xxh3"]),
-            tensors=tuple(TensorEntry.from_json(t) for t in obj["tensors"]),
+            index=json_int(obj["index"], "sample index", hi=MAX_INDEX),
+            sample_id=json_str(obj["sampleId"], "sampleId"),
+            offset=json_int(obj["offset"], "sample offset"),
+            length=json_int(obj["length"], "sample length"),
+            seq_len=json_int(obj["seqLen"], "seqLen", lo=1),
+            checksum=json_hex16(obj["xxh3"], "sample xxh3"),
+            tensors=tuple(TensorEntry.from_json(t) for t in tensors),
         )
 
 
@@ -354,17 +361,18 @@ def parse_header(head: bytes) -> ShardHeader:
     if len(head) < total:
         raise ShardFormatError(f"shard header truncated: have {len(head)} of {total} bytes")
     try:
-        header = json.loads(head[8:total])
-        meta = header["__metadata__"]
+        header = json_dict(load_json(head[8:total], "shard header", MAX_HEADER_BYTES), "shard header")
+        meta = json_dict(header["__metadata__"], "shard header __metadata__")
         if meta.get("format") != FORMAT_VERSION:
-            raise ShardFormatError(f"shard format {meta.get('format')!r}, expected {FORMAT_VERSION!r}")
-        doc = json.loads(meta["hsx"])
-        samples = tuple(SampleEntry.from_json(s) for s in doc["samples"])
-        shard_index = int(doc["shard"])
-    except ShardFormatError:
-        raise
+            raise ShardFormatError(f"shard format {show(meta.get('format'))}, expected {FORMAT_VERSION!r}")
+        hsx = json_str(meta["hsx"], "__metadata__.hsx")
+        doc = json_dict(load_json(hsx.encode(), "shard index (__metadata__.hsx)", MAX_HEADER_BYTES), "shard index")
+        samples = tuple(SampleEntry.from_json(s) for s in json_list(doc["samples"], "shard samples"))
+        shard_index = json_int(doc["shard"], "shard index", hi=MAX_SHARDS - 1)
+    except ShardFormatError as exc:
+        raise ShardFormatError(f"shard header is malformed: {exc}") from None
     except (ValueError, KeyError, TypeError) as exc:
-        raise ShardFormatError(f"shard header is malformed: {exc}") from exc
+        raise ShardFormatError(f"shard header is malformed: {type(exc).__name__} {str(exc)[:200]}") from None
     _check_tiling(samples)
     return ShardHeader(shard_index, total, samples, checksum(head[:total]))
 
@@ -390,62 +398,42 @@ def _check_tiling(samples: Sequence[SampleEntry]) -> None:
                 raise ShardFormatError(
                     f"sample {s.index}: raw tensor {t.name} length does not match its shape"
                 )
+            # A compressed tensor stores its n low bytes raw after the frame: n < stored length, so
+            # decoding never yields more than twice what was read (a shape cannot ask for GiBs).
+            if t.codec != CODEC_RAW and (t.dtype != "BF16" or t.num_values >= t.length):
+                raise ShardFormatError(
+                    f"sample {s.index}: tensor {t.name} of shape {list(t.shape)} cannot be "
+                    f"{t.codec} in {t.length} bytes"
+                )
             inner += t.length
+        _check_shapes(s)
         if not 0 <= s.length - inner < ALIGN or {t.name for t in s.tensors} != set(TENSOR_ORDER):
             raise ShardFormatError(f"sample {s.index}: tensors do not fill the sample")
         offset += s.length
         last = s.index
 
 
-@dataclass(frozen=True)
-class ShardCommit:
-    """What a sealed shard is; the commit record is this as JSON."""
-
-    shard_index: int
-    samples: int  # samples stored
-    quarantined: int  # rows of this shard that are quarantined
-    bytes_stored: int  # object size
-    bytes_raw: int  # uncompressed size of every stored tensor
-    key: str  # object key (relative to the store root)
-    checksum: str  # shard checksum: xxh3-64 of the header, which lists every sample's xxh3-64
-    start: int = 0  # first dataset index of the shard
-    stop: int = 0  # one past the last
-    sample_indices: tuple[int, ...] = field(default=(), repr=False)
-    quarantine: tuple[QuarantineEntry, ...] = field(default=(), repr=False)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": COMMIT_VERSION,
-            "shard": self.shard_index,
-            "key": self.key,
-            "checksum": self.checksum,
-            "bytesStored": self.bytes_stored,
-            "bytesRaw": self.bytes_raw,
-            "start": self.start,
-            "stop": self.stop,
-            "samples": list(self.sample_indices),
-            "quarantined": [q.to_json() for q in self.quarantine],
-        }
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> ShardCommit:
-        if obj.get("format") != COMMIT_VERSION:
-            raise ShardFormatError(f"commit record format {obj.get('format')!r}, expected {COMMIT_VERSION!r}")
-        try:
-            indices = tuple(int(i) for i in obj["samples"])
-            quarantine = tuple(QuarantineEntry.from_json(q) for q in obj["quarantined"])
-            return cls(
-                shard_index=int(obj["shard"]),
-                samples=len(indices),
-                quarantined=len(quarantine),
-                bytes_stored=int(obj["bytesStored"]),
-                bytes_raw=int(obj["bytesRaw"]),
-                key=str(obj["key"]),
-                checksum=str(obj["checksum"]),
-                start=int(obj["start"]),
-                stop=int(obj["stop"]),
-                sample_indices=indices,
-                quarantine=quarantine,
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ShardFormatError(f"commit record is malformed: {exc}") from exc
+def _check_shapes(s: SampleEntry) -> None:
+    """The four tensors of a sample agree with each other and with seqLen (dtypes as the format says)."""
+    by_name = {t.name: t for t in s.tensors}
+    if set(by_name) != set(TENSOR_ORDER):
+        raise ShardFormatError(f"sample {s.index}: tensors {sorted(by_name)}, expected {sorted(TENSOR_ORDER)}")
+    seq = s.seq_len
+    final = by_name[FINAL].shape
+    hidden = final[1] if len(final) == 2 else 0
+    aux = by_name[AUX].shape
+    ok = (
+        all(by_name[n].dtype == d for n, d in _LOGICAL_DTYPE.items())
+        and by_name[INPUT_IDS].shape == (seq,)
+        and by_name[LOSS_MASK].shape == (seq,)
+        and len(final) == 2
+        and final[0] == seq
+        and hidden >= 1
+        and len(aux) == 2
+        and aux[0] == seq
+        and aux[1] >= hidden
+        and aux[1] % hidden == 0
+    )
+    if not ok:
+        shapes = {n: list(t.shape) for n, t in by_name.items()}
+        raise ShardFormatError(f"sample {s.index}: tensor shapes {shapes} do not fit seqLen {seq}")

@@ -34,14 +34,13 @@ from hsx_extractor.storage.backends import (
     ShardConflictError,
     TransientStoreError,
 )
+from hsx_extractor.storage.commit_record import MAX_COMMIT_BYTES, QuarantineEntry, ShardCommit
 from hsx_extractor.storage.layout import MANIFEST_NAME, RunLayout, parse_output_uri, validate_name
 from hsx_extractor.storage.manifest import build_manifest
 from hsx_extractor.storage.shard_format import (
     COMPRESSION_CODECS,
-    QuarantineEntry,
     SampleEntry,
     SampleRecord,
-    ShardCommit,
     ShardFormatError,
     ShardHeader,
     decode_sample,
@@ -51,11 +50,13 @@ from hsx_extractor.storage.shard_format import (
     parse_header,
 )
 from hsx_extractor.storage.spool import SpooledObject, SpoolFiles, pwrite_all
+from hsx_extractor.storage.stored_json import load_json
 
 if TYPE_CHECKING:
     from hsx_extractor.storage.s3_client import S3Endpoint
 
 HEAD_PROBE_BYTES = 64 << 10  # first read of a shard; usually holds the whole header
+MAX_NAMED_JSON_BYTES = 1 << 30  # plan.json and manifest.json: beyond this, damage
 
 
 class ShardBuilder:
@@ -173,9 +174,9 @@ class Store:
         if data is None:
             return None
         try:
-            obj = json.loads(data)
-        except ValueError as exc:
-            raise PermanentStoreError(f"{self.description}/{name} is not JSON: {exc}") from exc
+            obj = load_json(data, name, MAX_NAMED_JSON_BYTES)
+        except ShardFormatError as exc:
+            raise PermanentStoreError(f"{self.description}/{name}: {exc}") from exc
         if not isinstance(obj, dict):
             raise PermanentStoreError(f"{self.description}/{name} is not a JSON object")
         return obj
@@ -207,11 +208,16 @@ class Store:
         if data is None:
             return None
         try:
-            return ShardCommit.from_json(json.loads(data))
-        except (ValueError, ShardFormatError) as exc:
+            commit = ShardCommit.from_bytes(data)
+        except ShardFormatError as exc:
             raise PermanentStoreError(
                 f"commit record of shard {shard_index} in {self.description} is damaged: {exc}"
             ) from exc
+        if commit.shard_index != shard_index:
+            raise PermanentStoreError(
+                f"commit record of shard {shard_index} in {self.description} is for shard {commit.shard_index}"
+            )
+        return commit
 
     def open_shard(self, shard_index: int, indices: range) -> ShardBuilder:
         if indices.step != 1 or indices.start < 0 or len(indices) == 0:
@@ -239,9 +245,13 @@ class Store:
         if self.backend.put_if_absent(commit_key, record):
             return
         existing = self.backend.get(commit_key)
-        if existing is not None and json.loads(existing) == json.loads(record):
+        try:
+            stored = load_json(existing, "commit record", MAX_COMMIT_BYTES) if existing is not None else None
+        except ShardFormatError:
+            stored = None  # unreadable: a conflict like any other record that is not ours
+        if stored is not None and stored == json.loads(record):
             return  # an identical writer (or our own retried request) got there first
-        theirs = json.loads(existing).get("key") if existing else None
+        theirs = stored.get("key") if isinstance(stored, dict) else None
         if theirs != commit.key:
             self.backend.delete(commit.key)  # unreferenced: nobody will ever read it
         raise ShardConflictError(
@@ -282,6 +292,41 @@ class Store:
         if total > len(head):
             head += self.backend.get_range(key, len(head), total - len(head))
         return parse_header(head)
+
+    def check_commit_key(self, commit: ShardCommit) -> None:
+        """Raise :class:`ShardFormatError` unless the record names this run's own key for its shard
+        and checksum: a record must never send a reader to another run's object, or outside the run."""
+        expected = self.layout.shard_key(commit.shard_index, commit.checksum)
+        if commit.key != expected:
+            raise ShardFormatError(
+                f"commit record of shard {commit.shard_index} in {self.description} names key "
+                f"{commit.key[:300]!r}, not this run's {expected!r}"
+            )
+
+    def checked_header(self, commit: ShardCommit) -> ShardHeader:
+        """The header of a committed shard, once the record and the object agree: the key is this
+        run's for the shard and checksum, the object has the recorded size, the header hashes to the
+        recorded shard checksum, names the shard, and lists exactly the recorded samples, which tile
+        the object (so no sample read reaches past it)."""
+        k = commit.shard_index
+        self.check_commit_key(commit)
+        size = self.backend.size(commit.key)
+        if size is None:
+            raise PermanentStoreError(f"shard {k} of {self.description}: object {commit.key} is missing")
+        if size != commit.bytes_stored:
+            raise ShardFormatError(f"shard {k}: object is {size} bytes, commit record says {commit.bytes_stored}")
+        header = self.read_header(commit.key)
+        if header.header_checksum != commit.checksum:
+            raise ShardFormatError(
+                f"shard {k}: header checksum {header.header_checksum}, commit record says {commit.checksum}"
+            )
+        if header.shard_index != k:
+            raise ShardFormatError(f"shard {k}: the object's header is for shard {header.shard_index}")
+        if header.object_size != size:
+            raise ShardFormatError(f"shard {k}: samples do not tile the object ({header.object_size} != {size} bytes)")
+        if tuple(s.index for s in header.samples) != commit.sample_indices:
+            raise ShardFormatError(f"shard {k}: header and commit record list different samples")
+        return header
 
     def read_sample(
         self, shard: int | str, header: ShardHeader, entry: SampleEntry, verify: bool = True

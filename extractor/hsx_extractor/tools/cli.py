@@ -84,6 +84,17 @@ def cmd_extract(args: argparse.Namespace) -> int:
     return run_extract(cfg)
 
 
+def sample_fraction(text: str) -> float:
+    """``--sample F``: a fraction in (0, 1]; anything else (nan, inf, 0, 2) is a usage error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:  # also false for nan
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in (0, 1]")
+    return value
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from hsx_extractor.tools.verify import run_verify
 
@@ -163,7 +174,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("output", help="the run's output: {output.uri}/{runId} (directory or s3://)")
     p.add_argument("--json", action="store_true", help="print a one-line JSON summary")
     p.add_argument(
-        "--sample", type=float, default=None, metavar="F", help="check only this fraction of samples"
+        "--sample",
+        type=sample_fraction,
+        default=None,
+        metavar="F",
+        help="check only this fraction of samples, in (0, 1]",
     )
     p.set_defaults(func=cmd_verify)
 
@@ -183,7 +198,7 @@ def parser() -> argparse.ArgumentParser:
     # Test hooks: deliberate misbehaviour.
     p.add_argument(
         "--fault",
-        choices=["swap", "drop", "truncate", "add_bos", "nan", "error"],
+        choices=["swap", "drop", "truncate", "add_bos", "nan", "error", "drop_response"],
         help="TEST HOOK: spoil requests on purpose",
     )
     p.add_argument(

@@ -23,6 +23,7 @@ from typing import Any
 
 from hsx_extractor.model import ModelConfigError, ModelDims, capture_layers, model_dims, read_model_config
 from hsx_extractor.run.plan import build_plan
+from hsx_extractor.storage.commit_record import QuarantineEntry, ShardCommit
 from hsx_extractor.storage.compress import CODEC_RAW
 from hsx_extractor.storage.shard_format import (
     ALIGN,
@@ -31,9 +32,7 @@ from hsx_extractor.storage.shard_format import (
     FINAL,
     INPUT_IDS,
     LOSS_MASK,
-    QuarantineEntry,
     SampleEntry,
-    ShardCommit,
     TensorEntry,
     layout_shard,
 )

@@ -36,7 +36,7 @@ from hsx_extractor.model import capture_layers
 from hsx_extractor.protocol import DumpMeta, ProtocolError
 
 PRODUCER = "hsx-reference"
-FAULT_KINDS = ("swap", "drop", "truncate", "add_bos", "nan", "error")
+FAULT_KINDS = ("swap", "drop", "truncate", "add_bos", "nan", "error", "drop_response")
 
 
 # ---- test hooks: deliberate misbehaviour --------------------------------------------------------
@@ -52,6 +52,8 @@ class FaultPlan:
     * drop: no dump at all     * truncate: one row fewer than tokens
     * add_bos: BOS prepended before running (ids differ from those sent)
     * nan: one value is NaN    * error: an error marker instead of data
+    * drop_response: the dump is written, then the connection is cut instead of answering (a
+      response lost on the way: the client cannot know the request ran)
     """
 
     kind: str | None = None
@@ -228,10 +230,13 @@ class ReferenceServer:
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             loop = asyncio.get_running_loop()
-            next_token = await loop.run_in_executor(self._worker, self._serve_one, rid, ids, arrival)
+            next_token, kind = await loop.run_in_executor(self._worker, self._serve_one, rid, ids, arrival)
         finally:
             self._in_flight -= 1
             self.stats.in_flight = self._in_flight
+        if kind == "drop_response" and request.transport is not None:
+            request.transport.abort()  # the dump is there; the answer never arrives
+            raise web.HTTPInternalServerError()  # not sent: the connection is gone
         return web.json_response(
             {
                 "text": "",
@@ -272,7 +277,7 @@ class ReferenceServer:
             )
         return rid, ids
 
-    def _serve_one(self, rid: str, ids: list[int], arrival: int) -> int:
+    def _serve_one(self, rid: str, ids: list[int], arrival: int) -> tuple[int, str | None]:
         faulted = self.fault.applies(rid, arrival)
         kind = self.fault.kind if faulted else None
         if faulted:
@@ -305,7 +310,7 @@ class ReferenceServer:
         else:
             protocol.write_dump(self.dump_dir, meta, ran_ids, aux, final)
         self._previous = current
-        return next_token
+        return next_token, kind
 
     def _reversed(self, rid: str, ids: list[int]) -> tuple[DumpMeta, np.ndarray, np.ndarray, np.ndarray]:
         # The first request has no predecessor to swap with: use the dump of its ids reversed.

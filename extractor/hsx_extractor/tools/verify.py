@@ -16,11 +16,11 @@ from typing import Any
 
 from hsx_extractor.config import OutputSpec
 from hsx_extractor.run.plan import PLAN_NAME, PlanMismatch, planned_shards
-from hsx_extractor.storage.backends import StoreError
+from hsx_extractor.storage.backends import PermanentStoreError, StoreError
+from hsx_extractor.storage.commit_record import ShardCommit
 from hsx_extractor.storage.layout import MANIFEST_NAME, split_run_uri
 from hsx_extractor.storage.manifest import build_manifest
 from hsx_extractor.storage.shard_format import (
-    ShardCommit,
     ShardFormatError,
     ShardHeader,
     checksum,
@@ -122,7 +122,11 @@ def _verify(store: Store, report: VerifyReport, fraction: float | None, rng: ran
     commits: list[ShardCommit] = []
     seen: Counter[int] = Counter()
     for k in committed:
-        commit = store.get_commit(k)
+        try:
+            commit = store.get_commit(k)
+        except PermanentStoreError as exc:  # a damaged record: say so, check the others
+            report.error(f"shard {k}: {exc}")
+            continue
         if commit is None:
             report.error(f"shard {k}: commit record vanished while verifying")
             continue
@@ -166,13 +170,19 @@ def _verify_shard(
         report.error(
             f"shard {k}: shard checksum {header.header_checksum}, commit record says {commit.checksum}"
         )
-    if header.object_size != size:
-        report.error(f"shard {k}: samples do not tile the object ({header.object_size} != {size} bytes)")
+    if header.shard_index != k:
+        report.error(f"shard {k}: the object's header is for shard {header.shard_index}")
     if tuple(s.index for s in header.samples) != commit.sample_indices:
         report.error(f"shard {k}: header and commit record list different samples")
+    # Sized by the record, never by its claimed range (a stop of 1e9 must not build a 1e9 set).
     covered = set(commit.sample_indices) | {q.index for q in commit.quarantine}
-    if covered != set(range(commit.start, commit.stop)):
+    in_range = all(commit.start <= i < commit.stop for i in covered)
+    if not in_range or len(covered) != commit.stop - commit.start:
         report.error(f"shard {k}: samples + quarantined do not cover [{commit.start}, {commit.stop}) exactly")
+    if header.object_size != size:
+        # Sample reads would reach past the object (or leave bytes unchecked): read none.
+        report.error(f"shard {k}: samples do not tile the object ({header.object_size} != {size} bytes)")
+        return
     if fraction is None:
         _check_stream(store, commit.key, header, report)
     else:
@@ -243,9 +253,10 @@ def _verify_plan_and_manifest(store: Store, commits: list[ShardCommit], report: 
     if manifest is None:
         return
     report.manifest = True
+    compression = manifest.get("compression")
     expected = build_manifest(
         store.layout.run_id,
-        str(manifest.get("compression", {}).get("setting")),
+        str(compression.get("setting") if isinstance(compression, dict) else None),
         commits,
         manifest.get("run", {}),
     )

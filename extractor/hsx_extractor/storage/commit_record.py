@@ -1,0 +1,131 @@
+"""The commit record (``hsx-commit/1``, docs/format.md): what a sealed shard is, and the
+quarantined rows of its range. Written once per shard after its object; read back untrusted."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from hsx_extractor.storage.layout import MAX_SHARDS
+from hsx_extractor.storage.stored_json import (
+    MAX_INDEX,
+    ShardFormatError,
+    json_dict,
+    json_hex16,
+    json_int,
+    json_list,
+    json_str,
+    load_json,
+    show,
+)
+
+COMMIT_VERSION: Final = "hsx-commit/1"
+MAX_COMMIT_BYTES: Final = 100_000_000  # a commit record lists no more than its shard's header
+
+
+@dataclass(frozen=True)
+class QuarantineEntry:
+    """A dataset row that produced no sample, and why."""
+
+    index: int  # position in the dataset
+    sample_id: str | None  # the row's id, when it could be read
+    reason: str  # short machine-readable reason (too_long, no_dump, mismatch_length, ...)
+    detail: str  # human-readable explanation
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "sampleId": self.sample_id, "reason": self.reason, "detail": self.detail}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> QuarantineEntry:
+        obj = json_dict(obj, "quarantine entry")
+        sample_id = obj.get("sampleId")
+        return cls(
+            json_int(obj["index"], "quarantine index", hi=MAX_INDEX),
+            None if sample_id is None else json_str(sample_id, "quarantine sampleId"),
+            json_str(obj["reason"], "quarantine reason"),
+            json_str(obj.get("detail", ""), "quarantine detail"),
+        )
+
+
+@dataclass(frozen=True)
+class ShardCommit:
+    """What a sealed shard is; the commit record is this as JSON."""
+
+    shard_index: int
+    samples: int  # samples stored
+    quarantined: int  # rows of this shard that are quarantined
+    bytes_stored: int  # object size
+    bytes_raw: int  # uncompressed size of every stored tensor
+    key: str  # object key (relative to the store root)
+    checksum: str  # shard checksum: xxh3-64 of the header, which lists every sample's xxh3-64
+    start: int = 0  # first dataset index of the shard
+    stop: int = 0  # one past the last
+    sample_indices: tuple[int, ...] = field(default=(), repr=False)
+    quarantine: tuple[QuarantineEntry, ...] = field(default=(), repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": COMMIT_VERSION,
+            "shard": self.shard_index,
+            "key": self.key,
+            "checksum": self.checksum,
+            "bytesStored": self.bytes_stored,
+            "bytesRaw": self.bytes_raw,
+            "start": self.start,
+            "stop": self.stop,
+            "samples": list(self.sample_indices),
+            "quarantined": [q.to_json() for q in self.quarantine],
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> ShardCommit:
+        """A commit record, checked: every field of its type and in bounds, and the listed samples
+        and quarantined rows (each sorted, disjoint) exactly cover ``[start, stop)``, so nothing
+        built from a record (a range, a set) can be larger than the record itself."""
+        if not isinstance(obj, dict):
+            raise ShardFormatError(f"commit record must be a JSON object, got {show(obj)}")
+        if obj.get("format") != COMMIT_VERSION:
+            raise ShardFormatError(f"commit record format {show(obj.get('format'))}, expected {COMMIT_VERSION!r}")
+        try:
+            start = json_int(obj["start"], "start", hi=MAX_INDEX)
+            stop = json_int(obj["stop"], "stop", lo=start, hi=MAX_INDEX)
+            indices = tuple(json_int(i, "sample index", start, stop - 1) for i in json_list(obj["samples"], "samples"))
+            quarantine = tuple(QuarantineEntry.from_json(q) for q in json_list(obj["quarantined"], "quarantined"))
+            key = json_str(obj["key"], "key")
+            if not 0 < len(key) <= 1024:
+                raise ShardFormatError(f"key of {len(key)} characters")
+            commit = cls(
+                shard_index=json_int(obj["shard"], "shard", hi=MAX_SHARDS - 1),
+                samples=len(indices),
+                quarantined=len(quarantine),
+                bytes_stored=json_int(obj["bytesStored"], "bytesStored"),
+                bytes_raw=json_int(obj["bytesRaw"], "bytesRaw"),
+                key=key,
+                checksum=json_hex16(obj["checksum"], "checksum"),
+                start=start,
+                stop=stop,
+                sample_indices=indices,
+                quarantine=quarantine,
+            )
+        except KeyError as exc:
+            raise ShardFormatError(f"commit record is malformed: no field {exc}") from None
+        except ShardFormatError as exc:
+            raise ShardFormatError(f"commit record is malformed: {exc}") from None
+        q_indices = [q.index for q in quarantine]
+        if any(not start <= i < stop for i in q_indices):
+            raise ShardFormatError(f"commit record is malformed: a quarantined index is outside [{start}, {stop})")
+        for name, seq in (("samples", indices), ("quarantined", q_indices)):
+            if any(a >= b for a, b in itertools.pairwise(seq)):
+                raise ShardFormatError(f"commit record is malformed: {name} are not sorted and distinct")
+        if len(indices) + len(q_indices) != stop - start or not set(indices).isdisjoint(q_indices):
+            raise ShardFormatError(
+                f"commit record is malformed: {len(indices)} samples and {len(q_indices)} quarantined "
+                f"rows do not cover [{start}, {stop}) exactly"
+            )
+        return commit
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> ShardCommit:
+        """A commit record from its stored bytes (bounded parse, then :meth:`from_json`)."""
+        return cls.from_json(load_json(data, "commit record", MAX_COMMIT_BYTES))
