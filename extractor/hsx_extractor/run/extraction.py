@@ -22,15 +22,7 @@ from hsx_extractor.config import ExtractConfig
 from hsx_extractor.model import ModelShape, check_vocab, model_shape
 from hsx_extractor.reasons import Reason
 from hsx_extractor.run import collect
-from hsx_extractor.run.dataset import (
-    Prepared,
-    Rejected,
-    dataset_endpoint,
-    iter_lines,
-    parse_row,
-    prepare,
-    read_samples,
-)
+from hsx_extractor.run.dataset import Prepared, Rejected, dataset_endpoint, iter_rows, read_samples
 from hsx_extractor.run.engine import EngineContext, ShardState, ShardWorker
 from hsx_extractor.run.failures import permanent
 from hsx_extractor.run.plan import PLAN_NAME, PlanMismatch, ShardPlan, build_plan, replica_shards
@@ -84,9 +76,9 @@ class Extraction:
         if not tokenizer_dir:
             raise permanent("set modelPath or dataset.tokenizer: hsx tokenizes with the model's tokenizer")
         try:
-            tok = ChatTokenizer(tokenizer_dir, cfg.dataset.chatTemplate)
-            if cfg.dataset.format == "messages":
-                tok.require_generation_template()
+            tok = ChatTokenizer(tokenizer_dir, cfg.dataset.chatTemplate, cfg.dataset.specialTokensInContent)
+            if cfg.dataset.format == "messages" and not tok.chat_template:
+                raise TokenizerError(f"{tokenizer_dir} has no chat template; set dataset.chatTemplate")
         except TokenizerError as exc:
             raise permanent(str(exc)) from exc
         expected = cfg.dataset.expectedTokenizerFingerprint
@@ -104,6 +96,8 @@ class Extraction:
             "format": d.format,
             "limit": d.limit,
             "maxLength": d.maxLength,
+            "expandTurns": d.expandTurns,
+            "specialTokensInContent": d.specialTokensInContent,
             "tokenizerFingerprint": tok.fingerprint,
             "shardTargetBytes": self.cfg.output.shardTargetBytes,
             "hiddenSize": shape.hidden_size,
@@ -115,7 +109,8 @@ class Extraction:
         d = self.cfg.dataset
         lengths: list[int | None] = []
         ids: list[str | None] = []
-        for item in read_samples(iter_lines(d.uri, dataset_endpoint(self.cfg)), tok, d.maxLength, d.format, d.limit):
+        rows = iter_rows(d.uri, dataset_endpoint(self.cfg))
+        for item in read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns):
             accepted = isinstance(item, Prepared)
             lengths.append(item.length if isinstance(item, Prepared) else None)
             ids.append(item.sample_id if accepted else None)
@@ -209,6 +204,8 @@ class Extraction:
             "dataset": self.cfg.dataset.uri,
             "rows": plan.rows,
             "maxLength": self.cfg.dataset.maxLength,
+            "expandTurns": self.cfg.dataset.expandTurns,
+            "specialTokensInContent": self.cfg.dataset.specialTokensInContent,
             "replicaCount": self.cfg.replicaCount,
         }
 
@@ -255,16 +252,16 @@ class Extraction:
         d = self.cfg.dataset
 
         def read(emit: Callable[[Prepared | Rejected], None]) -> None:
-            for index, raw in enumerate(iter_lines(d.uri, dataset_endpoint(self.cfg))):
-                if index >= plan.rows:
+            rows = iter_rows(d.uri, dataset_endpoint(self.cfg))
+            wanted = shard_of.__contains__
+            for item in read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns, wanted):
+                if item.index >= plan.rows:
                     return
-                if index not in shard_of:
+                if item.index not in shard_of:
                     continue
-                row = parse_row(index, raw, d.format)
-                item = row if isinstance(row, Rejected) else prepare(row, tok, d.maxLength)
-                if isinstance(item, Prepared) and index in plan.duplicates:
+                if isinstance(item, Prepared) and item.index in plan.duplicates:
                     detail = f"id {item.sample_id!r} is used by an earlier row"
-                    item = Rejected(index, item.sample_id, Reason.DUPLICATE_ID, detail)
+                    item = Rejected(item.index, item.sample_id, Reason.DUPLICATE_ID, detail, item.line)
                 emit(item)
 
         return read

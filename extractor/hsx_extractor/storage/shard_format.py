@@ -108,13 +108,29 @@ class QuarantineEntry:
     sample_id: str | None  # the row's id, when it could be read
     reason: str  # short machine-readable reason (too_long, no_dump, mismatch_length, ...)
     detail: str  # human-readable explanation
+    line: int | None = None  # the row's 1-based line in the dataset file (Parquet: row number)
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "sampleId": self.sample_id, "reason": self.reason, "detail": self.detail}
+        out: dict[str, Any] = {
+            "index": self.index,
+            "sampleId": self.sample_id,
+            "reason": self.reason,
+            "detail": self.detail,
+        }
+        if self.line is not None:
+            out["line"] = self.line
+        return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> QuarantineEntry:
-        return cls(int(obj["index"]), obj.get("sampleId"), str(obj["reason"]), str(obj.get("detail", "")))
+        line = obj.get("line")
+        return cls(
+            int(obj["index"]),
+            obj.get("sampleId"),
+            str(obj["reason"]),
+            str(obj.get("detail", "")),
+            int(line) if line is not None else None,
+        )
 
 
 @dataclass(frozen=True)
