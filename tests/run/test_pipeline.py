@@ -414,7 +414,9 @@ def test_a_configuration_error_found_at_a_row_is_permanent_with_format_auto(
     assert code == EXIT_PERMANENT and "no chat template" in (progress.last_error or "")
 
 
-def test_lines_and_expanded_turns(tmp_path: Path, ref_server: RefServer) -> None:
+def test_lines_expanded_turns_and_the_quarantine_summary(
+    tmp_path: Path, ref_server: RefServer, capsys: pytest.CaptureFixture[str]
+) -> None:
     two_turns = {
         "id": "two",
         "messages": [
@@ -435,4 +437,6 @@ def test_lines_and_expanded_turns(tmp_path: Path, ref_server: RefServer) -> None
     assert [samples[i].sample_id for i in (0, 1, 3)] == ["two/turn1", "two/turn2", "s0/turn1"]
     assert {q["index"]: q["line"] for q in result.manifest["quarantine"]} == {2: 3, 4: 6}
     assert result.manifest["run"]["expandTurns"] is True
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == "hsx extract: samples written 3, quarantined 2: empty_messages 1, invalid_json 1"
     verified(cfg)
