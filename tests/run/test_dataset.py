@@ -171,8 +171,8 @@ def test_a_stock_template_is_accepted_and_its_masks_match_the_generation_tags(ti
         {"role": "assistant", "content": "9."},
         {"role": "user", "content": "Thanks."},
     ]
-    ids, mask = stock.render_ids(messages)
-    want_ids, want_mask = tagged.render_ids(messages)
+    ids, mask = stock.render(messages)
+    want_ids, want_mask = tagged.render(messages)
     assert ids.tolist() == want_ids.tolist() and mask.tolist() == want_mask.tolist()
     assert mask_runs(stock, ids, mask) == [f"2 plus 2 is 4.{TURN_END}", f"9.{TURN_END}"]
 
@@ -316,6 +316,10 @@ def test_special_tokens_in_content_modes(tiny_model: Path) -> None:
         (chat(("user", "Hi"), ("assistant", "")), Reason.EMPTY_ASSISTANT_TURN),
         (chat(("user", "Hi"), ("assistant", "  \n")), Reason.EMPTY_ASSISTANT_TURN),
         (chat(("user", "Hi"), ("assistant", "Yes."), ("user", "Sure?"), ("assistant", "")), Reason.EMPTY_ASSISTANT_TURN),
+        # Shapes that raised TypeError or RecursionError before they could be judged.
+        (json.dumps({"messages": [{"role": ["user"], "content": "x"}]}).encode(), Reason.UNKNOWN_ROLE),
+        (json.dumps({"conversations": [{"from": {"a": 1}, "value": "x"}]}).encode(), Reason.UNKNOWN_ROLE),
+        (b'{"id": "deep", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", Reason.INVALID_JSON),
     ],
 )
 def test_rows_that_must_not_be_written(raw: bytes, reason: Reason, tokenizer: ChatTokenizer) -> None:
@@ -395,3 +399,13 @@ def test_no_chat_template_is_a_configuration_error(tiny_model: Path, tmp_path: P
     assert isinstance(outcome(tokens, tok), Prepared)  # the tokenizer adds no BOS: none is required
     with pytest.raises(TokenizerError, match="no chat template"):
         outcome(GOOD, tok)
+
+
+def test_deeply_nested_rows_are_judged_not_crashed(tokenizer: ChatTokenizer) -> None:
+    deep = b"[" * 900 + b"]" * 900
+    good = b'[{"role": "user", "content": "\\u00e9"}, {"role": "assistant", "content": "ok"}]'
+    for raw in (
+        b'{"id": "a", "tools": ' + deep + b', "messages": ' + good + b"}",
+        b'{"id": "b", "messages": ' + good[:-1] + b', {"role": "user", "content": "x", "name": ' + deep + b"}]}",
+    ):
+        assert isinstance(outcome(raw, tokenizer), Rejected)

@@ -194,7 +194,7 @@ def test_special_token_text_in_content_stays_text(families: dict[str, Family], n
     control = tok.control_ids
     # The template's control tokens, and only those: the same ones as without the spelled-out text.
     assert [i for i in ids.tolist() if i in control] == [i for i in plain_ids.tolist() if i in control]
-    text, _ = tok.render(spiked, None, False)
+    text, _ = tok.render_text(spiked, None, False)
     assert tok._tok.decode(ids.tolist()) == text  # the text is all there, as text
     assert runs(tok, ids, mask)[-1] == family.turn(spiked[2]["content"])
 
@@ -378,13 +378,13 @@ def test_property_masks_cover_exactly_the_assistant_turns(
 ) -> None:
     stock, tagged = stock_and_tagged
     answers = [m["content"] for m in messages if m["role"] == "assistant"]
-    ids, mask = stock.render_ids(messages)
+    ids, mask = stock.render(messages)
     assert runs(stock, ids, mask) == [a + TURN_END for a in answers]
-    again = stock.render_ids(json.loads(json.dumps(messages)))
+    again = stock.render(json.loads(json.dumps(messages)))
     assert ids.tolist() == again[0].tolist() and mask.tolist() == again[1].tolist()  # deterministic
-    tagged_ids, tagged_mask = tagged.render_ids(messages)
+    tagged_ids, tagged_mask = tagged.render(messages)
     assert ids.tolist() == tagged_ids.tolist() and mask.tolist() == tagged_mask.tolist()
-    assert stock._tok.decode(ids.tolist()) == stock.render(messages, None, False)[0]
+    assert stock._tok.decode(ids.tolist()) == stock.render_text(messages, None, False)[0]
     per_turn = stock.chat_samples(messages, None, expand=True)
     assert [runs(stock, *s) for s in per_turn] == [[a + TURN_END] for a in answers]  # type: ignore[misc]
 
@@ -395,7 +395,7 @@ def test_property_llama3_masks_cover_exactly_the_assistant_turns(
     families: dict[str, Family], messages: list[dict[str, str]]
 ) -> None:
     family = families["llama3"]
-    ids, mask = family.tokenizer.render_ids(messages)
+    ids, mask = family.tokenizer.render(messages)
     answers = [m["content"] for m in messages if m["role"] == "assistant"]
     assert runs(family.tokenizer, ids, mask) == [family.turn(a) for a in answers]
     assert int((ids == family.tokenizer.bos_id).sum()) == 1
@@ -406,9 +406,9 @@ def test_a_turn_whose_tokens_merge_with_the_template_is_refused(
 ) -> None:
     stock, _ = stock_and_tagged
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "\n\nHello"}]
-    text, _ = stock.render(messages, None, False)
+    text, _ = stock.render_text(messages, None, False)
     merged = stock._backend.encode(text, add_special_tokens=False).ids
-    prompt = stock._backend.encode(stock.render(messages[:1], None, True)[0], add_special_tokens=False).ids
+    prompt = stock._backend.encode(stock.render_text(messages[:1], None, True)[0], add_special_tokens=False).ids
     got = stock.chat_samples(messages, None, expand=False)[0]
     if merged[: len(prompt)] == prompt:
         assert not isinstance(got, RowRefused)  # this tokenizer keeps the newlines apart: nothing to refuse

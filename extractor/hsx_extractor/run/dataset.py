@@ -197,7 +197,7 @@ def _check_message(n: int, message: Any) -> tuple[Reason, str] | dict[str, Any]:
     if message.get("role") is None:
         return Reason.MISSING_ROLE, f"message {n} has no role"
     role = message["role"]
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         return Reason.UNKNOWN_ROLE, f"message {n} has role {role!r}"
     clean: dict[str, Any] = {"role": role}
     for key in OPTIONAL_FIELDS:
@@ -255,7 +255,7 @@ def _sharegpt(conversations: Any, system: Any) -> list[Any] | tuple[Reason, str]
         speaker = turn.get("from")
         if speaker is None:
             return Reason.MISSING_ROLE, f"conversations[{n}] has no 'from'"
-        if speaker not in SHAREGPT_ROLES:
+        if not isinstance(speaker, str) or speaker not in SHAREGPT_ROLES:
             return Reason.UNKNOWN_ROLE, f"conversations[{n}] is from {speaker!r}"
         messages.append({"role": SHAREGPT_ROLES[speaker], "content": turn.get("value")})
     return messages
@@ -285,8 +285,14 @@ def _decode(index: int, raw: bytes, line: int | None) -> Any:
         row = json.loads(text)
     except ValueError as exc:
         return Rejected(index, None, Reason.INVALID_JSON, str(exc), line)
+    except RecursionError:
+        return Rejected(index, None, Reason.INVALID_JSON, "JSON nested too deeply", line)
     # Valid UTF-8 can still spell a lone surrogate as a JSON escape; such text has no UTF-8 form.
-    if "\\u" in text and (found := _lone_surrogate(row, "row")):
+    try:
+        found = _lone_surrogate(row, "row") if "\\u" in text else None
+    except RecursionError:
+        return Rejected(index, None, Reason.INVALID_JSON, "JSON nested too deeply", line)
+    if found:
         return Rejected(index, None, Reason.INVALID_UTF8, found, line)
     return row
 

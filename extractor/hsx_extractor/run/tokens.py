@@ -171,7 +171,7 @@ class ChatTokenizer:
                 return [refused] * (len(masks.assistant_positions(messages)) if expand else 1)
         return masks.chat_samples(self, messages, tools, expand)
 
-    def render_ids(self, messages: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    def render(self, messages: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
         """``(input_ids, loss_mask)`` of one conversation, or RowRefused (tests and tools)."""
         sample = self.chat_samples(messages, None, False)[0]
         if isinstance(sample, RowRefused):
@@ -187,7 +187,7 @@ class ChatTokenizer:
         return None
 
     # ---- rendering --------------------------------------------------------------------------
-    def render(
+    def render_text(
         self, messages: Any, tools: Any, add_generation_prompt: bool, track: bool = False
     ) -> tuple[str, list[tuple[int, int]]]:
         """The template's text for a conversation, and its {% generation %} character spans."""
@@ -215,7 +215,7 @@ class ChatTokenizer:
     def encode_chat(
         self, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool, track: bool = False
     ) -> masks.Encoded:
-        text, spans = self.render(messages, tools, add_generation_prompt, track)
+        text, spans = self.render_text(messages, tools, add_generation_prompt, track)
         as_text = self._content_positions(messages, tools, add_generation_prompt, text) if self.mode == "text" else set()
         if not as_text:
             enc = self._backend.encode(text, add_special_tokens=False)
@@ -257,7 +257,7 @@ class ChatTokenizer:
     ) -> set[int] | None:
         (marked_messages, marked_tools), _ = self._mark([messages, tools], a, b, only)
         try:
-            marked, _ = self.render(marked_messages, marked_tools, agp)
+            marked, _ = self.render_text(marked_messages, marked_tools, agp)
         except RowRefused:
             return None
         if marked.replace(a, "").replace(b, "") != text:
@@ -381,7 +381,7 @@ class ChatTokenizer:
             ids = self._tok("x")["input_ids"]
             return bos if ids and ids[0] == bos else None
         try:
-            text, _ = self.render(PROBE, None, False)
+            text, _ = self.render_text(PROBE, None, False)
         except RowRefused:
             return bos if "bos_token" in self.chat_template else None
         ids = self._backend.encode(text, add_special_tokens=False).ids
