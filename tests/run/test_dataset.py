@@ -159,6 +159,11 @@ def test_a_template_that_writes_bos_twice_is_a_configuration_error(tiny_model: P
         ChatTokenizer(tiny_model, "{{ bos_token }}" + CHAT_TEMPLATE)
 
 
+def test_a_template_that_does_not_parse_is_a_configuration_error(tiny_model: Path) -> None:
+    with pytest.raises(TokenizerError, match="does not parse"):
+        ChatTokenizer(tiny_model, "{% for m in messages %}{{ m['content'] }}")
+
+
 def test_a_stock_template_is_accepted_and_its_masks_match_the_generation_tags(tiny_model: Path) -> None:
     stock = ChatTokenizer(tiny_model, STOCK_TEMPLATE)
     tagged = ChatTokenizer(tiny_model)

@@ -32,7 +32,7 @@ class Encoded:
     """A rendered, tokenized conversation."""
 
     ids: list[int]
-    offsets: list[tuple[int, int]]  # character span of each token in the rendered text
+    offsets: list[tuple[int, int]]  # character span of each token (when tracked; may be empty otherwise)
     spans: list[tuple[int, int]]  # character spans of {% generation %} blocks (empty without)
 
 

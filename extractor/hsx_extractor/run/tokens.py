@@ -219,7 +219,7 @@ class ChatTokenizer:
         as_text = self._content_positions(messages, tools, add_generation_prompt, text) if self.mode == "text" else set()
         if not as_text:
             enc = self._backend.encode(text, add_special_tokens=False)
-            return masks.Encoded(list(enc.ids), list(enc.offsets), spans)
+            return masks.Encoded(list(enc.ids), list(enc.offsets) if track else [], spans)
         ids, offsets = self._encode_keeping_text(text, as_text)
         return masks.Encoded(ids, offsets, spans)
 
