@@ -25,19 +25,36 @@ class DatasetSpec(_Spec):
     """Where the samples come from and how they become tokens."""
 
     uri: str = Field(
-        description="JSONL dataset: a local path, file:// or s3://bucket/key URI. One sample per line, "
-        'either {"id", "messages"} (rendered with the chat template) or {"id", "input_ids", "loss_mask"}.',
+        description="Dataset: a local path, file:// or s3://bucket/key URI, read as a stream. JSONL (plain, "
+        ".gz or .zst) with one sample per line, or Parquet (.parquet) with one sample per row: "
+        '{"id", "messages"} or ShareGPT {"id", "conversations": [{"from", "value"}]} (rendered with the chat '
+        'template, optional "tools"), or {"id", "input_ids", "loss_mask"} (pre-tokenized).',
         min_length=1,
     )
     format: Literal["auto", "messages", "tokens"] = Field(
         "auto",
         description="Row format. auto decides per row: rows with input_ids are pre-tokenized, rows with "
-        "messages are rendered with the chat template.",
+        "messages or conversations are rendered with the chat template; a row with both is quarantined.",
     )
     chatTemplate: str | None = Field(
         None,
-        description="Jinja chat template to use instead of the tokenizer's own. It must mark assistant "
-        "turns with {% generation %} ... {% endgeneration %} so the loss mask comes from the template.",
+        description="Jinja chat template to use instead of the tokenizer's own. With "
+        "{% generation %} ... {% endgeneration %} blocks the loss mask is what they mark; without them "
+        "(stock templates) it comes from rendering each conversation up to every assistant turn with and "
+        "without that turn, and a conversation the template does not render prefix-stably is quarantined "
+        "(template_not_prefix_stable).",
+    )
+    expandTurns: bool = Field(
+        False,
+        description="One sample per assistant turn: the conversation up to and including that turn, loss "
+        "only on it. For templates that render earlier turns differently from how the model produced them "
+        "(reasoning templates that drop earlier turns' thinking).",
+    )
+    specialTokensInContent: Literal["text", "allow", "quarantine"] = Field(
+        "text",
+        description="Special-token strings (the tokenizer's added tokens, e.g. <|eot_id|> or <think>) inside "
+        "message content: text keeps them as ordinary text (never their special ids), quarantine "
+        "quarantines such rows (special_tokens_in_content), allow lets them become special ids.",
     )
     tokenizer: str | None = Field(
         None,

@@ -9,6 +9,7 @@ from enum import StrEnum
 class Reason(StrEnum):
     # Dataset side: the row cannot become a sample.
     INVALID_JSON = "invalid_json"
+    # Bytes that are not UTF-8, or text that cannot be (a lone surrogate escape such as \ud800).
     INVALID_UTF8 = "invalid_utf8"
     # Valid JSON of the wrong shape: not an object, no messages/input_ids, an id that is not str/int.
     INVALID_ROW = "invalid_row"
@@ -16,8 +17,19 @@ class Reason(StrEnum):
     UNKNOWN_ROLE = "unknown_role"
     MISSING_ROLE = "missing_role"
     NON_STRING_CONTENT = "non_string_content"
+    # A row with two readings: messages and input_ids, or messages and conversations.
+    AMBIGUOUS_ROW = "ambiguous_row"
+    # An assistant turn with no content, tool call or reasoning: its loss would be the end-of-turn token alone.
+    EMPTY_ASSISTANT_TURN = "empty_assistant_turn"
+    # dataset.specialTokensInContent: quarantine, or text when the tokenizer cannot keep such text as text.
+    SPECIAL_TOKENS_IN_CONTENT = "special_tokens_in_content"
     # The chat template itself refused the conversation (raise_exception in the template).
     TEMPLATE_ERROR = "template_error"
+    # A stock template (no {% generation %}) renders this conversation's prefix differently from the
+    # whole (e.g. it drops earlier turns' reasoning): the loss mask cannot come from prefix renders.
+    TEMPLATE_NOT_PREFIX_STABLE = "template_not_prefix_stable"
+    # The sample does not start with exactly one BOS where the chat template writes one.
+    BOS_MISMATCH = "bos_mismatch"
     IDS_OUT_OF_VOCAB = "ids_out_of_vocab"
     MASK_LENGTH_MISMATCH = "mask_length_mismatch"
     NO_ASSISTANT_TOKENS = "no_assistant_tokens"

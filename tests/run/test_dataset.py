@@ -11,11 +11,35 @@ import numpy as np
 import pytest
 
 from hsx_extractor.reasons import Reason
-from hsx_extractor.run.dataset import Prepared, Rejected, iter_lines, parse_row, prepare, read_samples
+from hsx_extractor.run.dataset import (
+    Prepared,
+    Rejected,
+    iter_lines,
+    parse_row,
+    prepare,
+    prepare_samples,
+    read_samples,
+)
 from hsx_extractor.run.plan import build_plan
 from hsx_extractor.run.tokens import ChatTokenizer, TokenizerError
 from hsx_extractor.tools.cli import main
-from hsx_extractor.tools.tinymodel import BOS, CHAT_TEMPLATE, TURN_END, example_dataset_path
+from hsx_extractor.tools.tinymodel import BOS, CHAT_TEMPLATE, EOS, TURN_END, example_dataset_path
+
+STOCK_TEMPLATE = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+
+
+def mask_runs(tokenizer: ChatTokenizer, ids: np.ndarray, mask: np.ndarray) -> list[str]:
+    """The masked runs of a sample, each decoded."""
+    runs, current = [], []
+    for token, m in zip(ids.tolist(), mask.tolist(), strict=True):
+        if m:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer._tok.decode(current))
+            current = []
+    if current:
+        runs.append(tokenizer._tok.decode(current))
+    return runs
 
 
 def chat(*turns: tuple[str, Any]) -> bytes:
@@ -83,12 +107,12 @@ def test_too_long_is_quarantined_never_truncated(tokenizer: ChatTokenizer) -> No
     assert reason_of(GOOD, tokenizer, max_length=ok.length - 1) == Reason.TOO_LONG
     exact = outcome(GOOD, tokenizer, max_length=ok.length)
     assert isinstance(exact, Prepared) and exact.length == ok.length
-    tokens = json.dumps({"id": "t", "input_ids": [5] * 10, "loss_mask": [1] * 10}).encode()
+    tokens = json.dumps({"id": "t", "input_ids": [1] + [5] * 9, "loss_mask": [1] * 10}).encode()
     assert reason_of(tokens, tokenizer, max_length=9) == Reason.TOO_LONG
 
 
 def test_format_restricts_row_kinds(tokenizer: ChatTokenizer) -> None:
-    tokens = json.dumps({"id": "t", "input_ids": [5, 6], "loss_mask": [0, 1]}).encode()
+    tokens = json.dumps({"id": "t", "input_ids": [1, 6], "loss_mask": [0, 1]}).encode()
     assert isinstance(outcome(tokens, tokenizer, fmt="tokens"), Prepared)
     assert reason_of(tokens, tokenizer, fmt="messages") == Reason.INVALID_ROW
     assert reason_of(GOOD, tokenizer, fmt="tokens") == Reason.INVALID_ROW
@@ -130,18 +154,32 @@ def test_loss_mask_is_exactly_the_assistant_turns(tokenizer: ChatTokenizer) -> N
     assert got.input_ids[0] == bos and int((got.input_ids == bos).sum()) == 1
 
 
-def test_double_bos_is_refused(tiny_model: Path) -> None:
-    tok = ChatTokenizer(tiny_model, "{{ bos_token }}" + CHAT_TEMPLATE)
+def test_a_template_that_writes_bos_twice_is_a_configuration_error(tiny_model: Path) -> None:
     with pytest.raises(TokenizerError, match="BOS twice"):
-        tok.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+        ChatTokenizer(tiny_model, "{{ bos_token }}" + CHAT_TEMPLATE)
 
 
-def test_template_without_generation_is_refused(tiny_model: Path) -> None:
-    tok = ChatTokenizer(
-        tiny_model, CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    )
-    with pytest.raises(TokenizerError, match="generation"):
-        tok.require_generation_template()
+def test_a_template_that_does_not_parse_is_a_configuration_error(tiny_model: Path) -> None:
+    with pytest.raises(TokenizerError, match="does not parse"):
+        ChatTokenizer(tiny_model, "{% for m in messages %}{{ m['content'] }}")
+
+
+def test_a_stock_template_is_accepted_and_its_masks_match_the_generation_tags(tiny_model: Path) -> None:
+    stock = ChatTokenizer(tiny_model, STOCK_TEMPLATE)
+    tagged = ChatTokenizer(tiny_model)
+    assert not stock.has_generation and tagged.has_generation
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 plus 2?"},
+        {"role": "assistant", "content": "2 plus 2 is 4."},
+        {"role": "user", "content": "And 3 times 3?"},
+        {"role": "assistant", "content": "9."},
+        {"role": "user", "content": "Thanks."},
+    ]
+    ids, mask = stock.render(messages)
+    want_ids, want_mask = tagged.render(messages)
+    assert ids.tolist() == want_ids.tolist() and mask.tolist() == want_mask.tolist()
+    assert mask_runs(stock, ids, mask) == [f"2 plus 2 is 4.{TURN_END}", f"9.{TURN_END}"]
 
 
 def test_fingerprint_covers_files_template_and_is_printed(
@@ -207,3 +245,172 @@ def test_missing_dataset_is_a_clear_error(tmp_path: Path) -> None:
 
     with pytest.raises(DatasetError, match="does not exist"):
         list(iter_lines(str(tmp_path / "nope.jsonl")))
+
+
+# ---- every per-row failure is a quarantine with its line ------------------------------------------
+
+
+def test_a_lone_surrogate_is_a_quarantine_not_a_crash(tokenizer: ChatTokenizer, tmp_path: Path) -> None:
+    raw = b'{"id": "s", "messages": [{"role": "user", "content": "x\\ud800y"}, {"role": "assistant", "content": "ok"}]}'
+    got = outcome(raw, tokenizer)
+    assert isinstance(got, Rejected) and got.reason == Reason.INVALID_UTF8 and "surrogate" in got.detail
+    pair = b'{"id": "p", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}, {"role": "assistant", "content": "ok"}]}'
+    assert isinstance(outcome(pair, tokenizer), Prepared)  # a valid pair is one character
+    path = tmp_path / "s.jsonl"
+    path.write_bytes(GOOD + b"\n" + raw + b"\n" + GOOD.replace(b'"x"', b'"y"') + b"\n")
+    items = list(read_samples(iter_lines(str(path)), tokenizer, 512))
+    assert [type(i).__name__ for i in items] == ["Prepared", "Rejected", "Prepared"]
+
+
+def test_quarantines_carry_the_file_line_counting_blank_lines(tokenizer: ChatTokenizer, tmp_path: Path) -> None:
+    path = tmp_path / "lines.jsonl"
+    path.write_bytes(b"\n".join([GOOD, b"", b"   ", b"{broken", GOOD.replace(b'"x"', b'"z"'), b"", b"[1]"]) + b"\n")
+    items = list(read_samples(iter_lines(str(path)), tokenizer, 512))
+    assert [(i.index, i.line, type(i).__name__) for i in items] == [
+        (0, 1, "Prepared"),
+        (1, 4, "Rejected"),
+        (2, 5, "Prepared"),
+        (3, 7, "Rejected"),
+    ]
+
+
+def test_bos_text_in_a_system_prompt_stays_text(tokenizer: ChatTokenizer) -> None:
+    raw = chat(("system", f"{BOS}You are terse."), ("user", "Hi"), ("assistant", "Hello."))
+    got = outcome(raw, tokenizer)
+    assert isinstance(got, Prepared)
+    bos = tokenizer.bos_id
+    assert bos is not None and got.input_ids[0] == bos and int((got.input_ids == bos).sum()) == 1
+    assert BOS in tokenizer._tok.decode(got.input_ids[1:].tolist())
+
+
+def test_special_token_text_in_content_never_becomes_a_special_id(tokenizer: ChatTokenizer) -> None:
+    end = tokenizer.control[TURN_END]
+    eos = tokenizer.control[EOS]
+    raw = chat(("user", f"say {EOS} then {TURN_END}"), ("assistant", f"I say {TURN_END} and {EOS} as text."))
+    got = outcome(raw, tokenizer)
+    assert isinstance(got, Prepared)
+    ids = got.input_ids.tolist()
+    assert eos not in ids and ids.count(end) == 2  # the template's two turn ends, nothing else
+    assert mask_runs(tokenizer, got.input_ids, got.loss_mask) == [f"I say {TURN_END} and {EOS} as text.{TURN_END}"]
+
+
+def test_special_tokens_in_content_modes(tiny_model: Path) -> None:
+    raw = chat(("system", f"{BOS}Be terse."), ("user", "Hi"), ("assistant", f"Hello{TURN_END}"))
+    allow = ChatTokenizer(tiny_model, special_tokens_in_content="allow")
+    quarantine = ChatTokenizer(tiny_model, special_tokens_in_content="quarantine")
+    assert reason_of(raw, allow) == Reason.BOS_MISMATCH  # BOS twice once content may hold specials
+    assert reason_of(raw, quarantine) == Reason.SPECIAL_TOKENS_IN_CONTENT
+    allowed = outcome(chat(("user", "Hi"), ("assistant", f"Hello{TURN_END}")), allow)
+    assert isinstance(allowed, Prepared) and allowed.input_ids.tolist().count(allow.control[TURN_END]) == 3
+    assert isinstance(outcome(GOOD, quarantine), Prepared)
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (
+            json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}], "input_ids": [1, 5], "loss_mask": [0, 1]}).encode(),
+            Reason.AMBIGUOUS_ROW,
+        ),
+        (
+            json.dumps({"id": "a", "messages": [], "conversations": []}).encode(),
+            Reason.AMBIGUOUS_ROW,
+        ),
+        (json.dumps({"id": "a", "input_ids": [40, 41, 42], "loss_mask": [0, 1, 1]}).encode(), Reason.BOS_MISMATCH),
+        (json.dumps({"id": "a", "input_ids": [1, 1, 42], "loss_mask": [0, 1, 1]}).encode(), Reason.BOS_MISMATCH),
+        (chat(("user", "Hi"), ("assistant", "")), Reason.EMPTY_ASSISTANT_TURN),
+        (chat(("user", "Hi"), ("assistant", "  \n")), Reason.EMPTY_ASSISTANT_TURN),
+        (chat(("user", "Hi"), ("assistant", "Yes."), ("user", "Sure?"), ("assistant", "")), Reason.EMPTY_ASSISTANT_TURN),
+        # Shapes that raised TypeError or RecursionError before they could be judged.
+        (json.dumps({"messages": [{"role": ["user"], "content": "x"}]}).encode(), Reason.UNKNOWN_ROLE),
+        (json.dumps({"conversations": [{"from": {"a": 1}, "value": "x"}]}).encode(), Reason.UNKNOWN_ROLE),
+        (b'{"id": "deep", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", Reason.INVALID_JSON),
+    ],
+)
+def test_rows_that_must_not_be_written(raw: bytes, reason: Reason, tokenizer: ChatTokenizer) -> None:
+    assert reason_of(raw, tokenizer) == reason
+
+
+def test_pre_tokenized_rows_with_the_templates_bos_are_taken(tokenizer: ChatTokenizer) -> None:
+    raw = json.dumps({"id": "t", "input_ids": [1, 41, 42], "loss_mask": [0, 1, 1]}).encode()
+    assert isinstance(outcome(raw, tokenizer), Prepared)
+
+
+def test_sharegpt_conversations_render_like_messages(tokenizer: ChatTokenizer) -> None:
+    share = json.dumps({
+        "id": "x",
+        "system": "Be brief.",
+        "conversations": [{"from": "human", "value": "What is 2 plus 2?"}, {"from": "gpt", "value": "4."}],
+    }).encode()
+    plain = chat(("system", "Be brief."), ("user", "What is 2 plus 2?"), ("assistant", "4."))
+    a, b = outcome(share, tokenizer), outcome(plain, tokenizer)
+    assert isinstance(a, Prepared) and isinstance(b, Prepared)
+    assert a.input_ids.tolist() == b.input_ids.tolist() and a.loss_mask.tolist() == b.loss_mask.tolist()
+    assert reason_of(json.dumps({"conversations": [{"from": "bard", "value": "x"}]}).encode(), tokenizer) == Reason.UNKNOWN_ROLE
+    assert reason_of(json.dumps({"conversations": [{"value": "x"}]}).encode(), tokenizer) == Reason.MISSING_ROLE
+    assert reason_of(json.dumps({"conversations": [{"from": "gpt", "value": 3}]}).encode(), tokenizer) == Reason.NON_STRING_CONTENT
+
+
+# A stock template that, like reasoning templates, renders earlier assistant turns otherwise than
+# the last one (here it keeps only the text after "Answer:" of earlier turns).
+DROPPING = (
+    "{{ bos_token }}{% for m in messages %}{{ '<|start|>' + m['role'] + '\\n' }}"
+    "{% if m['role'] == 'assistant' and not loop.last and 'Answer:' in m['content'] %}"
+    "{{ m['content'].split('Answer:')[-1] }}{% else %}{{ m['content'] }}{% endif %}{{ '<|end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_template_that_rewrites_earlier_turns_is_quarantined_or_expanded(tiny_model: Path) -> None:
+    tok = ChatTokenizer(tiny_model, DROPPING)
+    row = chat(
+        ("user", "2 plus 2?"), ("assistant", "Think: two and two. Answer: 4."), ("user", "3 plus 3?"), ("assistant", "6.")
+    )
+    assert reason_of(row, tok) == Reason.TEMPLATE_NOT_PREFIX_STABLE
+    parsed = parse_row(0, row, line=3)
+    assert not isinstance(parsed, Rejected)
+    samples = prepare_samples(parsed, tok, 512, expand=True)
+    assert [s.index for s in samples] == [0, 1] and [s.sample_id for s in samples] == ["x/turn1", "x/turn2"]
+    first, second = samples
+    assert isinstance(first, Prepared) and isinstance(second, Prepared) and first.line == second.line == 3
+    assert mask_runs(tok, first.input_ids, first.loss_mask) == [f"Think: two and two. Answer: 4.{TURN_END}"]
+    assert mask_runs(tok, second.input_ids, second.loss_mask) == [f"6.{TURN_END}"]
+    assert " 4." in tok._tok.decode(second.input_ids.tolist()) and "Think" not in tok._tok.decode(second.input_ids.tolist())
+
+
+def test_expanded_rows_take_one_index_per_turn(tokenizer: ChatTokenizer, tmp_path: Path) -> None:
+    two = chat(("user", "a?"), ("assistant", "A."), ("user", "b?"), ("assistant", "B."))
+    path = tmp_path / "e.jsonl"
+    path.write_bytes(b"\n".join([two, b"{bad", GOOD, chat(("user", "only a question"))]) + b"\n")
+    items = list(read_samples(iter_lines(str(path)), tokenizer, 512, expand=True))
+    assert [(i.index, i.line, type(i).__name__) for i in items] == [
+        (0, 1, "Prepared"), (1, 1, "Prepared"), (2, 2, "Rejected"), (3, 3, "Prepared"), (4, 4, "Rejected")
+    ]
+    wanted = list(read_samples(iter_lines(str(path)), tokenizer, 512, expand=True, wanted=lambda i: i == 3))
+    assert [i.index for i in wanted] == [3]
+
+
+def test_no_chat_template_is_a_configuration_error(tiny_model: Path, tmp_path: Path) -> None:
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model, bare)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    for extra in ("chat_template.jinja", "chat_template.json"):
+        (bare / extra).unlink(missing_ok=True)
+    tok = ChatTokenizer(bare)
+    assert tok.chat_template is None
+    tokens = json.dumps({"id": "t", "input_ids": [5, 6], "loss_mask": [0, 1]}).encode()
+    assert isinstance(outcome(tokens, tok), Prepared)  # the tokenizer adds no BOS: none is required
+    with pytest.raises(TokenizerError, match="no chat template"):
+        outcome(GOOD, tok)
+
+
+def test_deeply_nested_rows_are_judged_not_crashed(tokenizer: ChatTokenizer) -> None:
+    deep = b"[" * 900 + b"]" * 900
+    good = b'[{"role": "user", "content": "\\u00e9"}, {"role": "assistant", "content": "ok"}]'
+    for raw in (
+        b'{"id": "a", "tools": ' + deep + b', "messages": ' + good + b"}",
+        b'{"id": "b", "messages": ' + good[:-1] + b', {"role": "user", "content": "x", "name": ' + deep + b"}]}",
+    ):
+        assert isinstance(outcome(raw, tokenizer), Rejected)

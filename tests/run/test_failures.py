@@ -9,6 +9,7 @@ from hsx_extractor.model import ModelConfigError
 from hsx_extractor.run.dataset import DatasetError
 from hsx_extractor.run.failures import RunFailed, describe_failure
 from hsx_extractor.run.server_client import ServerUnavailable
+from hsx_extractor.run.tokens import TokenizerError
 from hsx_extractor.run.validate import DumpShapeError
 from hsx_extractor.storage.backends import PermanentStoreError, ShardConflictError, TransientStoreError
 
@@ -20,6 +21,8 @@ from hsx_extractor.storage.backends import PermanentStoreError, ShardConflictErr
         (DumpShapeError("dump x: hidden size 64, expected 128"), EXIT_PERMANENT),
         (ModelConfigError("config.json lacks hidden_size"), EXIT_PERMANENT),
         (DatasetError("dataset s3://b/d does not exist"), EXIT_PERMANENT),
+        # Found at the first row that needs it (format: auto, no chat template): still configuration.
+        (TokenizerError("the tokenizer has no chat template"), EXIT_PERMANENT),
         (PermanentStoreError("access denied"), EXIT_PERMANENT),
         (ShardConflictError("two writers"), EXIT_PERMANENT),
         (TransientStoreError("still 503 after 8 tries"), EXIT_TRANSIENT),

@@ -476,3 +476,47 @@ def test_backpressure_counts_dumps_of_requests_in_flight_before_they_exist(
     assert code == EXIT_OK and result is not None and result.manifest is not None
     assert result.manifest["samples"] == 12
     assert 1 < ref_server.stats()["maxInFlight"] <= limit // smallest
+
+
+def test_a_configuration_error_found_at_a_row_is_permanent_with_format_auto(
+    tmp_path: Path, ref_server: RefServer
+) -> None:
+    bare = tmp_path / "tok"
+    bare.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (ref_server.model / name).is_file():
+            shutil.copy(ref_server.model / name, bare / name)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(3))
+    code, _, progress = run(base_config(tmp_path, ref_server, dataset, dataset__tokenizer=str(bare)))
+    assert code == EXIT_PERMANENT and "no chat template" in (progress.last_error or "")
+
+
+def test_lines_expanded_turns_and_the_quarantine_summary(
+    tmp_path: Path, ref_server: RefServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    two_turns = {
+        "id": "two",
+        "messages": [
+            {"role": "user", "content": "Say alpha."},
+            {"role": "assistant", "content": "alpha"},
+            {"role": "user", "content": "Say beta."},
+            {"role": "assistant", "content": "beta"},
+        ],
+    }
+    lines = ["", json.dumps(two_turns), "{broken", "", json.dumps(chat_rows(1)[0]), '{"id": "e", "messages": []}']
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text("\n".join(lines) + "\n")
+    cfg = base_config(tmp_path, ref_server, dataset, dataset__expandTurns=True)
+    code, result, _ = run(cfg)
+    assert code == EXIT_OK and result is not None and result.manifest is not None
+    samples, quarantined = stored(cfg)
+    assert sorted(samples) == [0, 1, 3] and quarantined == {2: "invalid_json", 4: "empty_messages"}
+    assert [samples[i].sample_id for i in (0, 1, 3)] == ["two/turn1", "two/turn2", "s0/turn1"]
+    assert {q["index"]: q["line"] for q in result.manifest["quarantine"]} == {2: 3, 4: 6}
+    assert result.manifest["run"]["expandTurns"] is True
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == "hsx extract: samples written 3, quarantined 2: empty_messages 1, invalid_json 1"
+    verified(cfg)

@@ -61,7 +61,7 @@ def test_a_dataset_edited_in_place_refuses_to_resume_naming_the_shard(
     code, progress = _run(cfg)
     assert code == EXIT_PERMANENT
     error = progress.last_error or ""
-    assert f"shard 1 (rows {second['start']}-{second['stop'] - 1}) changed" in error, error
+    assert f"shard 1 (samples {second['start']}-{second['stop'] - 1}, lines" in error, error
     assert "shard 0 " not in error and "new runId" in error
 
 
@@ -88,16 +88,18 @@ def test_a_swapped_model_refuses_to_resume_saying_which_file(tmp_path: Path, ref
 
 
 def test_changed_shards_names_changed_and_missing_rows() -> None:
-    rows = [f"row {i}".encode() for i in range(10)]
-    digests = [row_digest(r) for r in rows]
-    plan = build_plan({}, [5] * 10, [str(i) for i in range(10)], 3, 8, 3 * 5 * (4 * 8 * 2 + 5), digests)
+    lines = {n: row_digest(f"row {n}".encode()) for n in range(1, 11)}  # one sample per line
+    target = 3 * 5 * (4 * 8 * 2 + 5)
+    plan = build_plan({}, [5] * 10, [str(i) for i in range(10)], 3, 8, target, list(range(1, 11)), lines)
     assert plan.shards == [(0, 3), (3, 6), (6, 9), (9, 10)]
     again = ShardPlan.from_json(json.loads(json.dumps(plan.to_json())))
-    assert again.changed_shards(digests) == []
-    edited = [*digests[:4], row_digest(b"other"), *digests[5:]]
-    assert again.changed_shards(edited) == ["shard 1 (rows 3-5) changed"]
-    assert again.changed_shards(digests[:8]) == [
-        "the dataset now has 8 rows, the plan 10",
-        "shard 2 (rows 6-8) changed",
-        "shard 3 (rows 9-9) changed",
+    assert again.lines == ((1, 3), (4, 6), (7, 9), (10, 10))
+    assert again.changed_shards(lines) == []
+    assert again.changed_shards({**lines, 5: row_digest(b"other")}) == [
+        "shard 1 (samples 3-5, lines 4-6) changed"
+    ]
+    assert again.changed_shards({n: d for n, d in lines.items() if n <= 8}) == [
+        "the dataset now ends at line 8, the plan reaches line 10",
+        "shard 2 (samples 6-8, lines 7-9) changed",
+        "shard 3 (samples 9-9, lines 10-10) changed",
     ]

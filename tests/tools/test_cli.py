@@ -189,3 +189,32 @@ def test_hsx_demo_prints_summary_and_output_verifies(tmp_path: Path) -> None:
         timeout=600,
     )
     assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_verify_a_missing_path_is_an_error(tmp_path: Path, capsys: Any) -> None:
+    assert main(["verify", str(tmp_path / "nowhere" / "run")]) == EXIT_PERMANENT
+    err = capsys.readouterr().err
+    assert "no hsx run there" in err and "Traceback" not in err
+    assert main(["verify", str(tmp_path / "not_a_run_id")]) == EXIT_PERMANENT
+    assert "no hsx run there" in capsys.readouterr().err
+
+
+def test_verify_an_output_root_verifies_each_run(tmp_path: Path, ref_server: RefServer, capsys: Any) -> None:
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(3))
+    for run_id in ("first", "second"):
+        path = tmp_path / f"{run_id}.json"
+        path.write_text(json.dumps(base_config(tmp_path, ref_server, dataset, run_id=run_id)))
+        assert main(["extract", "--config", str(path)]) == EXIT_OK
+    root = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["verify", str(root)]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert f"OK: {root}/first" in out and f"OK: {root}/second" in out
+    assert out.strip().endswith(f"2 runs under {root}: 2 OK, 0 FAILED")
+    assert main(["verify", str(root), "--json"]) == EXIT_OK
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [json.loads(line)["uri"] for line in lines] == [f"{root}/first", f"{root}/second"]
+    (root / "second" / "manifest.json").chmod(0o644)
+    (root / "second" / "manifest.json").write_text("{}")
+    assert main(["verify", str(root)]) == EXIT_PERMANENT
+    assert capsys.readouterr().out.strip().endswith("1 OK, 1 FAILED")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -214,3 +215,24 @@ def test_cli_explains_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
 def test_format_mentions_quarantined_rows() -> None:
     est = estimate_storage(Rows((10, None), ("a", None)), H, K, "bf16-zstd", 1 << 30)
     assert "1 rows that will be quarantined" in format_estimate(est)
+
+
+def test_cli_reports_bad_paths_without_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hsx_extractor.tools.tinymodel import build_tokenizer
+
+    model = tmp_path / "m"
+    model.mkdir()
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 8}
+    (model / "config.json").write_text(json.dumps(config))
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text('{"id": 1, "input_ids": [1, 2], "loss_mask": [0, 1]}\n')
+    code, out = run_cli(["estimate", "--dataset", str(dataset), "--model", str(model)], capsys)
+    assert code == 2 and "holds no tokenizer" in out and "Traceback" not in out
+    build_tokenizer(model, 512)
+    template = tmp_path / "t.jinja"
+    code, out = run_cli(["estimate", "--dataset", str(dataset), "--model", str(model), "--chat-template", str(template)], capsys)
+    assert code == 2 and "t.jinja" in out
+    code, out = run_cli(["estimate", "--dataset", str(tmp_path / "absent.jsonl"), "--model", str(model)], capsys)
+    assert code == 2 and "does not exist" in out
+    code, out = run_cli(["estimate", "--dataset", str(dataset), "--model", str(model)], capsys)
+    assert code == 0, out

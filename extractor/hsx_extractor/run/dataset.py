@@ -1,16 +1,19 @@
-"""Dataset rows: JSONL lines in, a typed row or a quarantine reason out.
+"""Dataset rows: JSONL lines or Parquet rows in, typed samples or quarantine reasons out.
 
-A row's *index* is its position among the file's non-blank lines; it never depends on what
-happened to other rows, so the same dataset always yields the same indices (and shards).
+A row's *index* is its position among the file's rows (non-blank lines); with ``expandTurns`` a
+row of k assistant turns holds k consecutive indices, one sample each. Indices never depend on
+what happened to other rows, so the same dataset always yields the same indices (and shards).
+Every outcome also carries the row's *line* (1-based, in the file, blank lines counted; the row
+number for Parquet). Whatever is wrong with one row becomes its quarantine, never the run's end:
+only an unreadable dataset (DatasetError) or a configuration error (tokens.TokenizerError) stops it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -18,15 +21,36 @@ import numpy as np
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.contract import DATASET_CREDENTIALS_ENV
 from hsx_extractor.reasons import Reason
+from hsx_extractor.run.sources import DatasetError, SourceRow, iter_rows
 from hsx_extractor.storage.s3_client import S3Endpoint
-from hsx_extractor.storage.store import open_uri_lines
+
+__all__ = ["DatasetError", "SourceRow", "iter_lines", "iter_rows"]
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
+# ShareGPT speakers -> roles.
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "tool": "tool",
+    "observation": "tool",
+}
+# Message fields passed to the chat template; others are dropped.
+OPTIONAL_FIELDS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 RowFormat = Literal["auto", "messages", "tokens"]
+iter_lines = iter_rows  # the dataset's rows with their line numbers (JSONL lines or Parquet rows)
 
 
-class DatasetError(RuntimeError):
-    """The dataset as a whole cannot be read (missing file, unsupported URI)."""
+class RowRefused(ValueError):
+    """This row (or one of its samples) cannot be a sample: a quarantine reason and its detail."""
+
+    def __init__(self, reason: Reason, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
 
 
 @dataclass(frozen=True)
@@ -35,7 +59,13 @@ class MessagesRow:
 
     index: int
     sample_id: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    line: int | None = None
+
+    @property
+    def assistant_turns(self) -> int:
+        return sum(m["role"] == "assistant" for m in self.messages)
 
 
 @dataclass(frozen=True)
@@ -46,16 +76,18 @@ class TokensRow:
     sample_id: str
     input_ids: list[int]
     loss_mask: list[int]
+    line: int | None = None
 
 
 @dataclass(frozen=True)
 class Rejected:
-    """A row that becomes no sample, and why."""
+    """A row (or one turn's sample of it) that becomes no sample, and why."""
 
     index: int
     sample_id: str | None
     reason: Reason
     detail: str
+    line: int | None = None
 
 
 @dataclass(frozen=True)
@@ -66,10 +98,14 @@ class Prepared:
     sample_id: str
     input_ids: np.ndarray  # int32 [L]
     loss_mask: np.ndarray  # uint8 [L]
+    line: int | None = None
 
     @property
     def length(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+Sample = tuple[np.ndarray, np.ndarray]  # (input_ids int32 [L], loss_mask uint8 [L])
 
 
 class Renderer(Protocol):
@@ -78,11 +114,16 @@ class Renderer(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def render(self, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]: ...
+    @property
+    def bos_id(self) -> int | None:
+        """The BOS every sample must start with exactly once (None: the template writes none)."""
+        ...
 
-
-class TemplateRefused(ValueError):
-    """The chat template raised for this conversation (raise_exception in the template)."""
+    def chat_samples(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, expand: bool
+    ) -> list[Sample | RowRefused]:
+        """One (ids, mask) per assistant turn when ``expand``, else one for the whole chat."""
+        ...
 
 
 def dataset_endpoint(cfg: ExtractConfig, environ: Mapping[str, str] = os.environ) -> S3Endpoint:
@@ -100,15 +141,6 @@ def dataset_endpoint(cfg: ExtractConfig, environ: Mapping[str, str] = os.environ
     )
 
 
-def iter_lines(uri: str, where: S3Endpoint | None = None) -> Iterator[bytes]:
-    """The non-blank lines of a JSONL dataset (local path, file:// or s3://), as raw bytes."""
-    if not uri.startswith("s3://") and not Path(uri.removeprefix("file://")).is_file():
-        raise DatasetError(f"dataset {uri} does not exist or is not a file")
-    for line in open_uri_lines(uri, where):
-        if line.strip():
-            yield line.rstrip(b"\r\n")
-
-
 def _sample_id(row: dict[str, Any], index: int) -> str | None:
     value = row.get("id")
     if value is None:
@@ -118,100 +150,275 @@ def _sample_id(row: dict[str, Any], index: int) -> str | None:
     return str(value)
 
 
-def _check_messages(index: int, sample_id: str, messages: Any) -> MessagesRow | Rejected:
+def _lone_surrogate(value: Any, where: str) -> str | None:
+    """Where a string holds a lone surrogate (it cannot be UTF-8), if anywhere."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return f"{where} holds a lone surrogate {value[exc.start]!r} at character {exc.start}"
+        return None
+    if isinstance(value, dict):
+        items: Iterable[tuple[str, Any]] = value.items()
+    elif isinstance(value, list):
+        items = ((f"[{n}]", v) for n, v in enumerate(value))
+    else:
+        return None
+    for key, item in items:
+        found = _lone_surrogate(key, f"{where} key") or _lone_surrogate(item, f"{where}.{key}")
+        if found:
+            return found
+    return None
+
+
+def _json_list(value: Any) -> Any:
+    # Parquet exports often carry nested lists as JSON text.
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _check_tools(value: Any) -> list[dict[str, Any]] | str | None:
+    """The row's tool schemas, or what is wrong with them."""
+    value = _json_list(value)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        return "tools is not a list of objects"
+    return value
+
+
+def _check_message(n: int, message: Any) -> tuple[Reason, str] | dict[str, Any]:
+    if not isinstance(message, dict):
+        return Reason.INVALID_ROW, f"message {n} is not an object"
+    if message.get("role") is None:
+        return Reason.MISSING_ROLE, f"message {n} has no role"
+    role = message["role"]
+    if not isinstance(role, str) or role not in ROLES:
+        return Reason.UNKNOWN_ROLE, f"message {n} has role {role!r}"
+    clean: dict[str, Any] = {"role": role}
+    for key in OPTIONAL_FIELDS:
+        if message.get(key) is not None:
+            clean[key] = _json_list(message[key]) if key == "tool_calls" else message[key]
+    calls = clean.get("tool_calls")
+    if calls is not None and (role != "assistant" or not isinstance(calls, list) or not calls):
+        return Reason.INVALID_ROW, f"message {n}: tool_calls must be a non-empty list on an assistant message"
+    if calls is not None and not all(isinstance(c, dict) for c in calls):
+        return Reason.INVALID_ROW, f"message {n}: each tool call must be an object"
+    reasoning = clean.get("reasoning_content")
+    if reasoning is not None and not isinstance(reasoning, str):
+        return Reason.NON_STRING_CONTENT, f"message {n} reasoning_content is {type(reasoning).__name__}"
+    content = message.get("content")
+    if content is None and calls is not None:
+        clean["content"] = None  # an assistant turn that only calls tools
+    elif not isinstance(content, str):
+        return Reason.NON_STRING_CONTENT, f"message {n} content is {type(content).__name__}"
+    else:
+        clean["content"] = content
+    if role == "assistant" and not (content or "").strip() and calls is None and not (reasoning or "").strip():
+        return Reason.EMPTY_ASSISTANT_TURN, f"message {n} is an assistant turn with no content"
+    return clean
+
+
+def _check_messages(
+    index: int, sample_id: str, messages: Any, tools: Any, line: int | None
+) -> MessagesRow | Rejected:
     if not isinstance(messages, list):
-        return Rejected(index, sample_id, Reason.INVALID_ROW, "messages is not a list")
+        return Rejected(index, sample_id, Reason.INVALID_ROW, "messages is not a list", line)
     if not messages:
-        return Rejected(index, sample_id, Reason.EMPTY_MESSAGES, "messages is empty")
-    clean: list[dict[str, str]] = []
+        return Rejected(index, sample_id, Reason.EMPTY_MESSAGES, "messages is empty", line)
+    clean: list[dict[str, Any]] = []
     for n, message in enumerate(messages):
-        if not isinstance(message, dict):
-            return Rejected(index, sample_id, Reason.INVALID_ROW, f"message {n} is not an object")
-        if "role" not in message:
-            return Rejected(index, sample_id, Reason.MISSING_ROLE, f"message {n} has no role")
-        role = message["role"]
-        if role not in ROLES:
-            return Rejected(index, sample_id, Reason.UNKNOWN_ROLE, f"message {n} has role {role!r}")
-        content = message.get("content")
-        if not isinstance(content, str):
-            kind = type(content).__name__
-            return Rejected(index, sample_id, Reason.NON_STRING_CONTENT, f"message {n} content is {kind}")
-        clean.append({"role": role, "content": content})
-    return MessagesRow(index, sample_id, clean)
+        checked = _check_message(n, message)
+        if isinstance(checked, tuple):
+            return Rejected(index, sample_id, checked[0], checked[1], line)
+        clean.append(checked)
+    schemas = _check_tools(tools)
+    if isinstance(schemas, str):
+        return Rejected(index, sample_id, Reason.INVALID_ROW, schemas, line)
+    return MessagesRow(index, sample_id, clean, schemas, line)
+
+
+def _sharegpt(conversations: Any, system: Any) -> list[Any] | tuple[Reason, str]:
+    """ShareGPT ``conversations`` ({from, value}) as messages ({role, content})."""
+    if not isinstance(conversations, list):
+        return Reason.INVALID_ROW, "conversations is not a list"
+    messages: list[Any] = []
+    if isinstance(system, str) and system:
+        messages.append({"role": "system", "content": system})
+    for n, turn in enumerate(conversations):
+        if not isinstance(turn, dict):
+            return Reason.INVALID_ROW, f"conversations[{n}] is not an object"
+        speaker = turn.get("from")
+        if speaker is None:
+            return Reason.MISSING_ROLE, f"conversations[{n}] has no 'from'"
+        if not isinstance(speaker, str) or speaker not in SHAREGPT_ROLES:
+            return Reason.UNKNOWN_ROLE, f"conversations[{n}] is from {speaker!r}"
+        messages.append({"role": SHAREGPT_ROLES[speaker], "content": turn.get("value")})
+    return messages
 
 
 def _is_int_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
-def _check_tokens(index: int, sample_id: str, ids: Any, mask: Any) -> TokensRow | Rejected:
+def _check_tokens(index: int, sample_id: str, ids: Any, mask: Any, line: int | None) -> TokensRow | Rejected:
     if not _is_int_list(ids):
-        return Rejected(index, sample_id, Reason.INVALID_ROW, "input_ids is not a list of integers")
+        return Rejected(index, sample_id, Reason.INVALID_ROW, "input_ids is not a list of integers", line)
     if not _is_int_list(mask) or any(m not in (0, 1) for m in mask):
-        return Rejected(index, sample_id, Reason.INVALID_ROW, "loss_mask is not a list of 0/1")
+        return Rejected(index, sample_id, Reason.INVALID_ROW, "loss_mask is not a list of 0/1", line)
     if len(mask) != len(ids):
         detail = f"loss_mask has {len(mask)} entries, input_ids {len(ids)}"
-        return Rejected(index, sample_id, Reason.MASK_LENGTH_MISMATCH, detail)
-    return TokensRow(index, sample_id, ids, mask)
+        return Rejected(index, sample_id, Reason.MASK_LENGTH_MISMATCH, detail, line)
+    return TokensRow(index, sample_id, ids, mask, line)
 
 
-def parse_row(index: int, raw: bytes, fmt: RowFormat = "auto") -> MessagesRow | TokensRow | Rejected:
-    """One JSONL line to a typed row, or the reason it is rejected. Pure."""
+def _decode(index: int, raw: bytes, line: int | None) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return Rejected(index, None, Reason.INVALID_UTF8, f"byte {exc.start} is not UTF-8")
+        return Rejected(index, None, Reason.INVALID_UTF8, f"byte {exc.start} is not UTF-8", line)
     try:
         row = json.loads(text)
     except ValueError as exc:
-        return Rejected(index, None, Reason.INVALID_JSON, str(exc))
+        return Rejected(index, None, Reason.INVALID_JSON, str(exc), line)
+    except RecursionError:
+        return Rejected(index, None, Reason.INVALID_JSON, "JSON nested too deeply", line)
+    # Valid UTF-8 can still spell a lone surrogate as a JSON escape; such text has no UTF-8 form.
+    try:
+        found = _lone_surrogate(row, "row") if "\\u" in text else None
+    except RecursionError:
+        return Rejected(index, None, Reason.INVALID_JSON, "JSON nested too deeply", line)
+    if found:
+        return Rejected(index, None, Reason.INVALID_UTF8, found, line)
+    return row
+
+
+def parse_row(
+    index: int, raw: bytes | dict[str, Any], fmt: RowFormat = "auto", line: int | None = None
+) -> MessagesRow | TokensRow | Rejected:
+    """One JSONL line (or decoded Parquet row) to a typed row, or the reason it is rejected. Pure."""
+    row = _decode(index, raw, line) if isinstance(raw, bytes) else raw
+    if isinstance(row, Rejected):
+        return row
     if not isinstance(row, dict):
-        return Rejected(index, None, Reason.INVALID_ROW, f"row is a JSON {type(row).__name__}, not an object")
+        return Rejected(index, None, Reason.INVALID_ROW, f"row is a JSON {type(row).__name__}, not an object", line)
     sample_id = _sample_id(row, index)
     if sample_id is None:
-        return Rejected(index, None, Reason.INVALID_ROW, "id is neither a string nor an integer")
-    has_tokens, has_messages = "input_ids" in row, "messages" in row
-    if has_tokens and fmt != "messages":
-        return _check_tokens(index, sample_id, row["input_ids"], row.get("loss_mask"))
-    if has_messages and fmt != "tokens":
-        return _check_messages(index, sample_id, row["messages"])
-    wanted = {"auto": "messages or input_ids", "messages": "messages", "tokens": "input_ids"}[fmt]
-    return Rejected(index, sample_id, Reason.INVALID_ROW, f"row has no {wanted}")
+        return Rejected(index, None, Reason.INVALID_ROW, "id is neither a string nor an integer", line)
+    kinds = [k for k in ("input_ids", "messages", "conversations") if row.get(k) is not None]
+    if len(kinds) > 1:
+        detail = f"row has both {kinds[0]} and {kinds[1]}: which one is the sample is ambiguous"
+        return Rejected(index, sample_id, Reason.AMBIGUOUS_ROW, detail, line)
+    kind = kinds[0] if kinds else None
+    if kind == "input_ids" and fmt != "messages":
+        return _check_tokens(index, sample_id, row["input_ids"], row.get("loss_mask"), line)
+    if kind == "messages" and fmt != "tokens":
+        return _check_messages(index, sample_id, row["messages"], row.get("tools"), line)
+    if kind == "conversations" and fmt != "tokens":
+        messages = _sharegpt(row["conversations"], row.get("system"))
+        if isinstance(messages, tuple):
+            return Rejected(index, sample_id, messages[0], messages[1], line)
+        return _check_messages(index, sample_id, messages, row.get("tools"), line)
+    wanted = {
+        "auto": "messages, conversations or input_ids",
+        "messages": "messages or conversations",
+        "tokens": "input_ids",
+    }[fmt]
+    return Rejected(index, sample_id, Reason.INVALID_ROW, f"row has no {wanted}", line)
 
 
-def prepare(row: MessagesRow | TokensRow, tokenizer: Renderer, max_length: int) -> Prepared | Rejected:
-    """Tokens and loss mask of a parsed row, or why it cannot be a sample. Never truncates."""
+def sample_count(row: MessagesRow | TokensRow | Rejected, expand: bool) -> int:
+    """How many indices (samples) a row holds: its assistant turns when expanded, else one."""
+    if expand and isinstance(row, MessagesRow):
+        return max(1, row.assistant_turns)
+    return 1
+
+
+def _check_bos(ids: np.ndarray, bos: int | None, rendered: bool) -> str | None:
+    if bos is None:
+        return None
+    if ids.shape[0] == 0 or ids[0] != bos:
+        return f"the sample does not start with BOS (id {bos}), which the chat template writes"
+    if rendered:
+        count = int((ids == bos).sum())
+        return f"the sample holds BOS {count} times" if count > 1 else None
+    if ids.shape[0] > 1 and ids[1] == bos:
+        return "the sample starts with BOS twice"
+    return None
+
+
+def _finish(row: MessagesRow | TokensRow, index: int, sample_id: str, sample: Sample | RowRefused,
+            tokenizer: Renderer, max_length: int) -> Prepared | Rejected:
+    if isinstance(sample, RowRefused):
+        return Rejected(index, sample_id, sample.reason, sample.detail, row.line)
+    ids, mask = sample
+    bad_bos = _check_bos(ids, tokenizer.bos_id, isinstance(row, MessagesRow))
+    if bad_bos:
+        return Rejected(index, sample_id, Reason.BOS_MISMATCH, bad_bos, row.line)
+    if ids.shape[0] > max_length:
+        detail = f"{ids.shape[0]} tokens > maxLength {max_length}"
+        return Rejected(index, sample_id, Reason.TOO_LONG, detail, row.line)
+    if not mask.any():
+        return Rejected(index, sample_id, Reason.NO_ASSISTANT_TOKENS, "loss mask is all zero", row.line)
+    return Prepared(index, sample_id, ids, mask, row.line)
+
+
+def prepare_samples(
+    row: MessagesRow | TokensRow, tokenizer: Renderer, max_length: int, expand: bool = False
+) -> list[Prepared | Rejected]:
+    """Every sample of a parsed row (``sample_count`` of them), prepared or rejected. Never truncates."""
     if isinstance(row, TokensRow):
         vocab = tokenizer.vocab_size
         bad = [i for i in row.input_ids if not 0 <= i < vocab]
         if bad:
             detail = f"{len(bad)} ids outside [0, {vocab}), first {bad[0]}"
-            return Rejected(row.index, row.sample_id, Reason.IDS_OUT_OF_VOCAB, detail)
-        ids = np.asarray(row.input_ids, dtype=np.int32)
-        mask = np.asarray(row.loss_mask, dtype=np.uint8)
-    else:
-        try:
-            ids, mask = tokenizer.render(row.messages)
-        except TemplateRefused as exc:
-            return Rejected(row.index, row.sample_id, Reason.TEMPLATE_ERROR, str(exc))
-    if ids.shape[0] > max_length:
-        detail = f"{ids.shape[0]} tokens > maxLength {max_length}"
-        return Rejected(row.index, row.sample_id, Reason.TOO_LONG, detail)
-    if not mask.any():
-        return Rejected(row.index, row.sample_id, Reason.NO_ASSISTANT_TOKENS, "loss mask is all zero")
-    return Prepared(row.index, row.sample_id, ids, mask)
+            return [Rejected(row.index, row.sample_id, Reason.IDS_OUT_OF_VOCAB, detail, row.line)]
+        sample = (np.asarray(row.input_ids, dtype=np.int32), np.asarray(row.loss_mask, dtype=np.uint8))
+        return [_finish(row, row.index, row.sample_id, sample, tokenizer, max_length)]
+    if row.assistant_turns == 0:
+        detail = "the conversation has no assistant turn"
+        return [Rejected(row.index, row.sample_id, Reason.NO_ASSISTANT_TOKENS, detail, row.line)]
+    samples = tokenizer.chat_samples(row.messages, row.tools, expand)
+    if not expand:
+        return [_finish(row, row.index, row.sample_id, samples[0], tokenizer, max_length)]
+    return [
+        _finish(row, row.index + k, f"{row.sample_id}/turn{k + 1}", sample, tokenizer, max_length)
+        for k, sample in enumerate(samples)
+    ]
+
+
+def prepare(row: MessagesRow | TokensRow, tokenizer: Renderer, max_length: int) -> Prepared | Rejected:
+    """Tokens and loss mask of a parsed row (one sample for the whole chat), or why it cannot be one."""
+    return prepare_samples(row, tokenizer, max_length)[0]
 
 
 def read_samples(
-    lines: Iterator[bytes],
+    rows: Iterable[SourceRow | bytes],
     tokenizer: Renderer,
     max_length: int,
     fmt: RowFormat = "auto",
     limit: int | None = None,
+    expand: bool = False,
+    wanted: Callable[[int], bool] | None = None,
 ) -> Iterator[Prepared | Rejected]:
-    """Every row of the dataset, prepared or rejected, in order (no duplicate check: see plan)."""
-    for index, raw in enumerate(lines):
-        if limit is not None and index >= limit:
+    """Every sample of the dataset, prepared or rejected, in index order (no duplicate check: see plan).
+
+    ``limit`` counts rows; ``wanted`` (an index predicate) skips rendering rows none of whose
+    indices it wants (they are not yielded)."""
+    index = 0
+    for number, source in enumerate(rows):
+        if limit is not None and number >= limit:
             return
-        row = parse_row(index, raw, fmt)
-        yield row if isinstance(row, Rejected) else prepare(row, tokenizer, max_length)
+        raw, line = (source, None) if isinstance(source, bytes) else (source.data, source.line)
+        row = parse_row(index, raw, fmt, line)
+        count = sample_count(row, expand)
+        if wanted is None or any(wanted(i) for i in range(index, index + count)):
+            if isinstance(row, Rejected):
+                yield row
+            else:
+                yield from prepare_samples(row, tokenizer, max_length, expand)
+        index += count

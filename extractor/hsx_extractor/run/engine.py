@@ -113,7 +113,7 @@ class ShardWorker:
                 sweeper = group.create_task(self._sweep_forever())
                 while (item := await queue.get()) is not None:
                     if isinstance(item, Rejected):
-                        entry = _quarantine(item.index, item.sample_id, item.reason, item.detail)
+                        entry = _quarantine(item.index, item.sample_id, item.reason, item.detail, item.line)
                         task = group.create_task(self._resolve(item.index, entry))
                     else:
                         await self._active.acquire()
@@ -213,7 +213,8 @@ class ShardWorker:
                 f"{outcome.reason}: {outcome.detail}"
             )
         await self._resolve(
-            sample.index, _quarantine(sample.index, sample.sample_id, outcome.reason, outcome.detail)
+            sample.index,
+            _quarantine(sample.index, sample.sample_id, outcome.reason, outcome.detail, sample.line),
         )
         verdict = self.gate.verdict()
         if verdict:
@@ -310,8 +311,10 @@ class _ReaderStopped(Exception):
     """Tells the reader thread that the run ended without it."""
 
 
-def _quarantine(index: int, sample_id: str | None, reason: str, detail: str) -> QuarantineEntry:
-    return QuarantineEntry(index, sample_id, str(reason), detail)
+def _quarantine(
+    index: int, sample_id: str | None, reason: str, detail: str, line: int | None = None
+) -> QuarantineEntry:
+    return QuarantineEntry(index, sample_id, str(reason), detail, line)
 
 
 def _first(group: BaseExceptionGroup[Any]) -> BaseException:

@@ -23,15 +23,7 @@ from hsx_extractor.model import ModelShape, check_vocab, model_fingerprint, mode
 from hsx_extractor.protocol import RunKey
 from hsx_extractor.reasons import Reason
 from hsx_extractor.run import collect
-from hsx_extractor.run.dataset import (
-    Prepared,
-    Rejected,
-    dataset_endpoint,
-    iter_lines,
-    parse_row,
-    prepare,
-    read_samples,
-)
+from hsx_extractor.run.dataset import Prepared, Rejected, dataset_endpoint, iter_rows, read_samples
 from hsx_extractor.run.engine import EngineContext, ShardState, ShardWorker
 from hsx_extractor.run.failures import permanent
 from hsx_extractor.run.plan import PLAN_NAME, PlanMismatch, ShardPlan, build_plan, hashed, replica_shards
@@ -84,9 +76,9 @@ class Extraction:
         if not tokenizer_dir:
             raise permanent("set modelPath or dataset.tokenizer: hsx tokenizes with the model's tokenizer")
         try:
-            tok = ChatTokenizer(tokenizer_dir, cfg.dataset.chatTemplate)
-            if cfg.dataset.format == "messages":
-                tok.require_generation_template()
+            tok = ChatTokenizer(tokenizer_dir, cfg.dataset.chatTemplate, cfg.dataset.specialTokensInContent)
+            if cfg.dataset.format == "messages" and not tok.chat_template:
+                raise TokenizerError(f"{tokenizer_dir} has no chat template; set dataset.chatTemplate")
         except TokenizerError as exc:
             raise permanent(str(exc)) from exc
         expected = cfg.dataset.expectedTokenizerFingerprint
@@ -104,6 +96,8 @@ class Extraction:
             "format": d.format,
             "limit": d.limit,
             "maxLength": d.maxLength,
+            "expandTurns": d.expandTurns,
+            "specialTokensInContent": d.specialTokensInContent,
             "tokenizerFingerprint": tok.fingerprint,
             "shardTargetBytes": self.cfg.output.shardTargetBytes,
             "hiddenSize": shape.hidden_size,
@@ -117,10 +111,11 @@ class Extraction:
         where = dataset_endpoint(self.cfg)
         lengths: list[int | None] = []
         ids: list[str | None] = []
-        digests: list[int] = []
-        for item in read_samples(
-            hashed(iter_lines(d.uri, where), digests), tok, d.maxLength, d.format, d.limit
-        ):
+        sample_lines: list[int] = []
+        digests: dict[int, int] = {}
+        rows = hashed(iter_rows(d.uri, where), digests)
+        for item in read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns):
+            sample_lines.append(item.line or 0)
             accepted = isinstance(item, Prepared)
             lengths.append(item.length if isinstance(item, Prepared) else None)
             ids.append(item.sample_id if accepted else None)
@@ -134,7 +129,8 @@ class Extraction:
             len(shape.capture_layers),
             shape.hidden_size,
             self.cfg.output.shardTargetBytes,
-            digests[: len(lengths)],
+            sample_lines,
+            digests,
             source,
         )
 
@@ -144,9 +140,9 @@ class Extraction:
         where = dataset_endpoint(self.cfg)
         if not plan.digests or uri_stat(d.uri, where) == plan.source:
             return
-        digests: list[int] = []
-        for _ in hashed(iter_lines(d.uri, where), digests):
-            if len(digests) >= plan.rows:
+        digests: dict[int, int] = {}
+        for row in hashed(iter_rows(d.uri, where), digests):
+            if row.line >= plan.last_line:
                 break
         changes = plan.changed_shards(digests)
         if changes:
@@ -236,6 +232,8 @@ class Extraction:
             "dataset": self.cfg.dataset.uri,
             "rows": plan.rows,
             "maxLength": self.cfg.dataset.maxLength,
+            "expandTurns": self.cfg.dataset.expandTurns,
+            "specialTokensInContent": self.cfg.dataset.specialTokensInContent,
             "replicaCount": self.cfg.replicaCount,
         }
 
@@ -281,16 +279,16 @@ class Extraction:
         d = self.cfg.dataset
 
         def read(emit: Callable[[Prepared | Rejected], None]) -> None:
-            for index, raw in enumerate(iter_lines(d.uri, dataset_endpoint(self.cfg))):
-                if index >= plan.rows:
+            rows = iter_rows(d.uri, dataset_endpoint(self.cfg))
+            wanted = shard_of.__contains__
+            for item in read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns, wanted):
+                if item.index >= plan.rows:
                     return
-                if index not in shard_of:
+                if item.index not in shard_of:
                     continue
-                row = parse_row(index, raw, d.format)
-                item = row if isinstance(row, Rejected) else prepare(row, tok, d.maxLength)
-                if isinstance(item, Prepared) and index in plan.duplicates:
+                if isinstance(item, Prepared) and item.index in plan.duplicates:
                     detail = f"id {item.sample_id!r} is used by an earlier row"
-                    item = Rejected(index, item.sample_id, Reason.DUPLICATE_ID, detail)
+                    item = Rejected(item.index, item.sample_id, Reason.DUPLICATE_ID, detail, item.line)
                 emit(item)
 
         return read

@@ -7,6 +7,7 @@ from hsx_extractor.contract import EXIT_PERMANENT, EXIT_TRANSIENT
 from hsx_extractor.model import ModelConfigError
 from hsx_extractor.run.dataset import DatasetError
 from hsx_extractor.run.server_client import ServerUnavailable
+from hsx_extractor.run.tokens import TokenizerError
 from hsx_extractor.run.validate import DumpShapeError
 from hsx_extractor.storage.backends import StoreError
 
@@ -26,7 +27,8 @@ def permanent(message: str) -> RunFailed:
 # Errors that retrying cannot fix: the data, the configuration or the model is wrong.
 # A dump whose shape contradicts the model's (DumpShapeError) means the server runs another model
 # or other capture layers than the extractor was told: every later sample would fail the same way.
-_PERMANENT = (DatasetError, ModelConfigError, DumpShapeError)
+# A TokenizerError can surface at the first row that needs it (format: auto, no chat template).
+_PERMANENT = (DatasetError, ModelConfigError, DumpShapeError, TokenizerError)
 
 
 def describe_failure(exc: BaseException) -> tuple[str, int]:

@@ -5,16 +5,18 @@ Shard k holds a fixed, contiguous range of row indices, cut so each shard holds 
 so restarts and replicas all use the same ranges and a rerun produces the same shard keys.
 
 The plan also records what it was made from, so a resume cannot mix two datasets: the dataset's
-size and ETag (or mtime) and, per shard, a digest of its rows' raw bytes. When the dataset's stat
-differs at resume, the rows are hashed again and every shard whose rows changed is named.
+size and ETag (or mtime) and, per shard, the file lines its samples come from and a digest of
+those rows' raw bytes. When the dataset's stat differs at resume, the rows are hashed again and
+every shard whose rows changed is named.
 """
 
 from __future__ import annotations
 
+import json
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import xxhash
 
@@ -65,7 +67,9 @@ class ShardPlan:
     shards: list[tuple[int, int]]
     # Rows rejected as duplicate ids (first accepted occurrence wins); needs the whole dataset to know.
     duplicates: frozenset[int] = field(default_factory=frozenset)
-    # Per shard, the digest of its rows' raw bytes (shard_digests); empty in plans made without them.
+    # Per shard, the first and last file line its samples come from, and the digest of those
+    # rows' raw bytes (shard_digests); empty in plans made without them.
+    lines: tuple[tuple[int, int], ...] = ()
     digests: tuple[str, ...] = ()
     # The dataset's stat when planned (storage.store.uri_stat): size and ETag or mtime.
     source: dict[str, Any] = field(default_factory=dict)
@@ -88,7 +92,12 @@ class ShardPlan:
             "identity": self.identity,
             "rows": self.rows,
             "shards": [
-                {"index": k, "start": a, "stop": b, **({"digest": self.digests[k]} if self.digests else {})}
+                {
+                    "index": k,
+                    "start": a,
+                    "stop": b,
+                    **({"lines": list(self.lines[k]), "digest": self.digests[k]} if self.digests else {}),
+                }
                 for k, (a, b) in enumerate(self.shards)
             ],
             "duplicates": sorted(self.duplicates),
@@ -100,25 +109,35 @@ class ShardPlan:
         if data.get("version") != PLAN_VERSION:
             raise PlanMismatch(f"plan.json version {data.get('version')!r}, expected {PLAN_VERSION}")
         shards = sorted(data["shards"], key=lambda s: s["index"])
-        digests = tuple(str(s["digest"]) for s in shards) if all("digest" in s for s in shards) else ()
+        known = all("digest" in s and "lines" in s for s in shards)
+        digests = tuple(str(s["digest"]) for s in shards) if known else ()
+        lines = tuple((int(s["lines"][0]), int(s["lines"][1])) for s in shards) if known else ()
         return cls(
             identity=dict(data["identity"]),
             rows=int(data["rows"]),
             shards=[(int(s["start"]), int(s["stop"])) for s in shards],
             duplicates=frozenset(int(i) for i in data.get("duplicates", [])),
+            lines=lines,
             digests=digests,
             source=dict(data.get("source") or {}),
         )
 
-    def changed_shards(self, row_digests: Sequence[int]) -> list[str]:
-        """What differs between the planned rows and ``row_digests`` of the dataset now (empty: nothing)."""
+    @property
+    def last_line(self) -> int:
+        return max((last for _, last in self.lines), default=0)
+
+    def changed_shards(self, line_digests: Mapping[int, int]) -> list[str]:
+        """What differs between the planned rows and the dataset's now, by line (empty: nothing)."""
         changes = []
-        if len(row_digests) < self.rows:
-            changes.append(f"the dataset now has {len(row_digests)} rows, the plan {self.rows}")
-        now = shard_digests(self.shards, row_digests)
-        for k, ((start, stop), planned, current) in enumerate(zip(self.shards, self.digests, now, strict=True)):
+        seen = max(line_digests, default=0)
+        if seen < self.last_line:
+            changes.append(f"the dataset now ends at line {seen}, the plan reaches line {self.last_line}")
+        now = shard_digests(self.lines, line_digests)
+        for k, ((start, stop), (first, last), planned, current) in enumerate(
+            zip(self.shards, self.lines, self.digests, now, strict=True)
+        ):
             if planned != current:
-                changes.append(f"shard {k} (rows {start}-{stop - 1}) changed")
+                changes.append(f"shard {k} (samples {start}-{stop - 1}, lines {first}-{last}) changed")
         return changes
 
     def check_identity(self, identity: dict[str, Any]) -> None:
@@ -134,25 +153,41 @@ class ShardPlan:
             )
 
 
-def row_digest(raw: bytes) -> int:
-    """The digest of one dataset row's raw bytes (a line, without its newline)."""
-    return xxhash.xxh3_64_intdigest(raw)
+class Row(Protocol):
+    """A dataset row as read: its file line and its raw bytes (or a decoded Parquet row)."""
+
+    @property
+    def line(self) -> int: ...
+
+    @property
+    def data(self) -> bytes | dict[str, Any]: ...
 
 
-def hashed(lines: Iterable[bytes], digests: list[int]) -> Iterator[bytes]:
-    """``lines`` unchanged, appending each one's row_digest to ``digests`` as it is read."""
-    for line in lines:
-        digests.append(row_digest(line))
-        yield line
+R = TypeVar("R", bound=Row)
 
 
-def shard_digests(shards: Sequence[tuple[int, int]], row_digests: Sequence[int]) -> list[str]:
-    """Per shard, one digest over its rows' digests (rows missing from ``row_digests`` count as absent)."""
+def row_digest(data: bytes | dict[str, Any]) -> int:
+    """The digest of one dataset row: its raw bytes, or a Parquet row's canonical JSON."""
+    if not isinstance(data, bytes | bytearray):
+        data = json.dumps(data, sort_keys=True, default=str).encode()
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def hashed(rows: Iterable[R], digests: dict[int, int]) -> Iterator[R]:
+    """``rows`` unchanged, recording each one's row_digest under its line as it is read."""
+    for row in rows:
+        digests[row.line] = row_digest(row.data)
+        yield row
+
+
+def shard_digests(shard_lines: Sequence[tuple[int, int]], line_digests: Mapping[int, int]) -> list[str]:
+    """Per shard, one digest over the digests of the rows on its lines ``[first, last]``, and their count."""
     out = []
-    for start, stop in shards:
+    for first, last in shard_lines:
+        found = [line_digests[n] for n in range(first, last + 1) if n in line_digests]
         h = xxhash.xxh3_64()
-        h.update(array("Q", row_digests[start:stop]).tobytes())
-        h.update(array("Q", [max(0, min(stop, len(row_digests)) - start)]).tobytes())
+        h.update(array("Q", found).tobytes())
+        h.update(array("Q", [len(found)]).tobytes())
         out.append(h.hexdigest())
     return out
 
@@ -164,10 +199,12 @@ def build_plan(
     num_aux: int,
     hidden_size: int,
     target_bytes: int,
-    row_digests: Sequence[int] = (),
+    sample_lines: Sequence[int] = (),
+    line_digests: Mapping[int, int] | None = None,
     source: dict[str, Any] | None = None,
 ) -> ShardPlan:
-    """The plan from the pre-pass: per row its token count and id (None when rejected). Pure."""
+    """The plan from the pre-pass: per sample its token count and id (None when rejected), its file
+    line and each line's row digest. Pure."""
     seen: set[str] = set()
     duplicates: set[int] = set()
     weights: list[int] = []
@@ -182,8 +219,14 @@ def build_plan(
         seen.add(sample_id)
         weights.append(bytes_per_sample(length, num_aux, hidden_size))
     shards = cut_shards(weights, target_bytes)
-    digests = tuple(shard_digests(shards, row_digests)) if row_digests else ()
-    return ShardPlan(identity, len(weights), shards, frozenset(duplicates), digests, dict(source or {}))
+    lines: tuple[tuple[int, int], ...] = ()
+    digests: tuple[str, ...] = ()
+    if sample_lines and line_digests is not None:
+        lines = tuple((sample_lines[a], sample_lines[b - 1]) for a, b in shards)
+        digests = tuple(shard_digests(lines, line_digests))
+    return ShardPlan(
+        identity, len(weights), shards, frozenset(duplicates), lines, digests, dict(source or {})
+    )
 
 
 def planned_shards(data: dict[str, Any]) -> list[tuple[int, int, int]]:

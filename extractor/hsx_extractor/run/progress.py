@@ -126,6 +126,14 @@ class Progress:
         """The final report, as the operator reads it once the pod is gone."""
         return self.report().termination_message()
 
+    def quarantine_summary(self) -> str:
+        """One line: how many samples were written and quarantined, the quarantined ones by reason."""
+        total = sum(self.quarantined.values())
+        written = self.samples_done - total
+        by_reason = sorted(self.quarantined.items(), key=lambda kv: (-kv[1], kv[0]))
+        reasons = f": {', '.join(f'{reason} {n}' for reason, n in by_reason)}" if total else ""
+        return f"written {written}, quarantined {total}{reasons}"
+
     def log_line(self) -> str:
         s = self.snapshot()
         eta = "-" if s["etaSeconds"] is None else f"{s['etaSeconds']:.0f}s"

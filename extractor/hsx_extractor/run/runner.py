@@ -52,6 +52,7 @@ async def extract(cfg: ExtractConfig, progress: Progress | None = None) -> tuple
     if result is not None:
         state = "manifest written" if result.manifest else "other replicas' shards pending; no manifest yet"
         print(f"hsx extract: done: {result.output} ({state})", flush=True)
+    print(f"hsx extract: samples {progress.quarantine_summary()}", flush=True)
     return code, result
 
 

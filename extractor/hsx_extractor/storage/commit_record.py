@@ -32,19 +32,30 @@ class QuarantineEntry:
     sample_id: str | None  # the row's id, when it could be read
     reason: str  # short machine-readable reason (too_long, no_dump, mismatch_length, ...)
     detail: str  # human-readable explanation
+    line: int | None = None  # the row's 1-based line in the dataset file (Parquet: row number)
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "sampleId": self.sample_id, "reason": self.reason, "detail": self.detail}
+        out: dict[str, Any] = {
+            "index": self.index,
+            "sampleId": self.sample_id,
+            "reason": self.reason,
+            "detail": self.detail,
+        }
+        if self.line is not None:
+            out["line"] = self.line
+        return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> QuarantineEntry:
         obj = json_dict(obj, "quarantine entry")
         sample_id = obj.get("sampleId")
+        line = obj.get("line")
         return cls(
             json_int(obj["index"], "quarantine index", hi=MAX_INDEX),
             None if sample_id is None else json_str(sample_id, "quarantine sampleId"),
             json_str(obj["reason"], "quarantine reason"),
             json_str(obj.get("detail", ""), "quarantine detail"),
+            None if line is None else json_int(line, "quarantine line", lo=1, hi=1 << 62),
         )
 
 

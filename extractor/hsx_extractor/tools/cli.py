@@ -96,14 +96,23 @@ def sample_fraction(text: str) -> float:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from hsx_extractor.tools.verify import run_verify
+    from hsx_extractor.storage.backends import StoreError
+    from hsx_extractor.tools.verify import NoRunError, verify_uri
 
-    report = run_verify(args.output, sample_fraction=args.sample)
-    if args.json:
-        print(json.dumps(report.to_dict(), separators=(",", ":")), flush=True)
-    else:
-        print(report.summary_text(), flush=True)
-    return EXIT_OK if report.ok else EXIT_PERMANENT
+    try:
+        reports = verify_uri(args.output, sample_fraction=args.sample)
+    except (NoRunError, StoreError, ValueError) as exc:
+        print(f"hsx verify: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_PERMANENT
+    for report in reports:
+        if args.json:
+            print(json.dumps(report.to_dict(), separators=(",", ":")), flush=True)
+        else:
+            print(report.summary_text(), flush=True)
+    if len(reports) > 1 and not args.json:
+        failed = sum(not r.ok for r in reports)
+        print(f"{len(reports)} runs under {args.output}: {len(reports) - failed} OK, {failed} FAILED", flush=True)
+    return EXIT_OK if all(r.ok for r in reports) else EXIT_PERMANENT
 
 
 def cmd_serve_reference(args: argparse.Namespace) -> int:
@@ -171,7 +180,10 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_extract)
 
     p = sub.add_parser("verify", help="re-read a run's output and check every checksum")
-    p.add_argument("output", help="the run's output: {output.uri}/{runId} (directory or s3://)")
+    p.add_argument(
+        "output",
+        help="the run's output: {output.uri}/{runId} (directory or s3://), or an output root: every run under it",
+    )
     p.add_argument("--json", action="store_true", help="print a one-line JSON summary")
     p.add_argument(
         "--sample",

@@ -287,14 +287,17 @@ def count_dataset(
     max_length: int,
     limit: int | None,
     fmt: str = "auto",
+    expand: bool = False,
+    special: str = "text",
 ) -> Rows:
     """Tokenize the dataset exactly as ``hsx extract`` does (same template, same rejections)."""
     from hsx_extractor.run.dataset import iter_lines, read_samples
     from hsx_extractor.run.tokens import ChatTokenizer
 
     template = chat_template.read_text() if chat_template else None
-    tokenizer = ChatTokenizer(tokenizer_dir, template)
-    return rows_from_samples(read_samples(iter_lines(uri), tokenizer, max_length, fmt, limit))  # type: ignore[arg-type]
+    tokenizer = ChatTokenizer(tokenizer_dir, template, special)  # type: ignore[arg-type]
+    samples = read_samples(iter_lines(uri), tokenizer, max_length, fmt, limit, expand)  # type: ignore[arg-type]
+    return rows_from_samples(samples)
 
 
 def add_estimate_command(subparsers: Any) -> argparse.ArgumentParser:
@@ -307,7 +310,7 @@ def add_estimate_command(subparsers: Any) -> argparse.ArgumentParser:
         "--tokens; give --model (config.json) or --hidden-size and --num-layers.",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--dataset", help="JSONL dataset (local path or file:// URI, as dataset.uri)")
+    src.add_argument("--dataset", help="dataset as dataset.uri: JSONL (.gz, .zst) or Parquet, local path or file:// URI")
     src.add_argument("--tokens", type=int, help="total tokens, when you already know them")
     p.add_argument("--samples", type=int, help="number of samples, with --tokens (default: tokens / 2048)")
     p.add_argument(
@@ -320,6 +323,13 @@ def add_estimate_command(subparsers: Any) -> argparse.ArgumentParser:
         "--max-length", type=int, default=8192, help="dataset.maxLength (longer rows are quarantined)"
     )
     p.add_argument("--limit", type=int, help="dataset.limit")
+    p.add_argument("--expand-turns", action="store_true", help="dataset.expandTurns")
+    p.add_argument(
+        "--special-tokens-in-content",
+        choices=["text", "allow", "quarantine"],
+        default="text",
+        help="dataset.specialTokensInContent",
+    )
     p.add_argument("--hidden-size", type=int, help="hidden size (overrides config.json)")
     p.add_argument("--num-layers", type=int, help="decoder layers (overrides config.json)")
     p.add_argument(
@@ -351,6 +361,10 @@ def _dims(args: argparse.Namespace) -> ModelDims:
 
 def run_estimate(args: argparse.Namespace) -> int:
     """``hsx estimate``: read the inputs, print the estimate. Returns the exit code."""
+    from hsx_extractor.run.sources import DatasetError
+    from hsx_extractor.run.tokens import TokenizerError
+    from hsx_extractor.storage.backends import StoreError
+
     try:
         dims = _dims(args)
         try:
@@ -362,7 +376,14 @@ def run_estimate(args: argparse.Namespace) -> int:
             if tokenizer_dir is None:
                 raise EstimateError("counting a dataset's tokens needs --tokenizer or --model")
             rows = count_dataset(
-                args.dataset, tokenizer_dir, args.chat_template, args.max_length, args.limit, args.format
+                args.dataset,
+                tokenizer_dir,
+                args.chat_template,
+                args.max_length,
+                args.limit,
+                args.format,
+                args.expand_turns,
+                args.special_tokens_in_content,
             )
         else:
             samples = args.samples if args.samples is not None else max(1, args.tokens // 2048)
@@ -370,8 +391,9 @@ def run_estimate(args: argparse.Namespace) -> int:
         est = estimate_storage(
             rows, dims.hidden_size, num_aux, args.compression, args.shard_target_bytes, args.compression_ratio
         )
-    except (EstimateError, ModelConfigError) as exc:
-        print(f"hsx estimate: {exc}")
+    except (EstimateError, ModelConfigError, DatasetError, TokenizerError, StoreError, OSError) as exc:
+        # What the user gave is wrong (a path, a tokenizer, a dataset): say so, no traceback.
+        print(f"hsx estimate: error: {exc}")
         return 2
     print(json.dumps(estimate_to_json(est), indent=2) if args.json else format_estimate(est))
     return 0

@@ -66,31 +66,48 @@ def _training_text(path: Path) -> Iterator[str]:
                 yield message["content"]
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int, corpus: Path | None = None) -> None:
-    """Train a byte-level BPE tokenizer and save it with its chat template as a HF tokenizer dir."""
+def build_tokenizer(
+    out_dir: Path,
+    vocab_size: int,
+    corpus: Path | None = None,
+    *,
+    special_tokens: list[str] | None = None,
+    bos: str | None = BOS,
+    eos: str = EOS,
+    pad: str | None = PAD,
+    chat_template: str = CHAT_TEMPLATE,
+    plain_added_tokens: tuple[str, ...] = (),
+) -> None:
+    """Train a byte-level BPE tokenizer and save it with its chat template as a HF tokenizer dir.
+
+    The keyword arguments give other models' special tokens and template (tests of real templates);
+    ``plain_added_tokens`` are added tokens that are not special (as Qwen's ``<think>``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    specials = special_tokens or SPECIAL_TOKENS
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_training_text(corpus or example_dataset_path()), trainer=trainer)
+    if plain_added_tokens:
+        tok.add_tokens(list(plain_added_tokens))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=pad,
         # The template writes BOS itself; the tokenizer must not add a second one.
         add_bos_token=False,
         add_eos_token=False,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(str(out_dir))
 
 

@@ -18,7 +18,7 @@ from hsx_extractor.config import OutputSpec
 from hsx_extractor.run.plan import PLAN_NAME, PlanMismatch, planned_shards
 from hsx_extractor.storage.backends import PermanentStoreError, StoreError
 from hsx_extractor.storage.commit_record import ShardCommit
-from hsx_extractor.storage.layout import MANIFEST_NAME, split_run_uri
+from hsx_extractor.storage.layout import MANIFEST_NAME, InvalidKeyError, split_run_uri
 from hsx_extractor.storage.manifest import build_manifest
 from hsx_extractor.storage.shard_format import (
     ShardFormatError,
@@ -26,7 +26,7 @@ from hsx_extractor.storage.shard_format import (
     checksum,
     decode_sample,
 )
-from hsx_extractor.storage.store import Store, open_store
+from hsx_extractor.storage.store import Store, open_backend, open_store
 
 STREAM_CHUNK = 16 << 20
 MAX_LISTED_ERRORS = 50
@@ -114,6 +114,59 @@ def run_verify(
     except StoreError as exc:
         report.error(f"storage: {exc}")
     return report
+
+
+class NoRunError(Exception):
+    """Nothing hsx wrote is at the URI: no run, and no runs under it."""
+
+
+def _spec(output_uri: str, output: OutputSpec | None) -> OutputSpec:
+    if output:
+        return output.model_copy(update={"uri": output_uri})
+    return OutputSpec.model_validate({"uri": output_uri})
+
+
+def _holds_a_run(uri: str, output: OutputSpec | None) -> bool:
+    try:
+        output_uri, run_id = split_run_uri(uri)
+    except InvalidKeyError:
+        return False
+    store = open_store(_spec(output_uri, output), run_id)
+    base = store.layout.root + "/"
+    run_level = {PLAN_NAME, MANIFEST_NAME, "commits", "shards"}  # what a run writes at its root
+    try:
+        return any(key[len(base) :].split("/", 1)[0] in run_level for key in store.backend.list_keys(base))
+    finally:
+        store.close()
+
+
+def find_runs(root: str, output: OutputSpec | None = None) -> list[str]:
+    """The runs directly under an output root (``{root}/{runId}`` holding a plan or manifest)."""
+    root = root.rstrip("/")
+    backend, prefix = open_backend(root, _spec(root, output))
+    base = f"{prefix}/" if prefix else ""
+    runs = set()
+    for key in backend.list_keys(base):
+        run_id, _, name = key[len(base) :].partition("/")
+        if name in (PLAN_NAME, MANIFEST_NAME):
+            runs.add(run_id)
+    return [f"{root}/{run_id}" for run_id in sorted(runs)]
+
+
+def verify_uri(
+    uri: str, sample_fraction: float | None = None, output: OutputSpec | None = None
+) -> list[VerifyReport]:
+    """Verify the run at ``uri``, or every run under ``uri`` when it is an output root.
+
+    Raises NoRunError when neither is there (a missing path is an error, never an empty OK)."""
+    if _holds_a_run(uri, output):
+        return [run_verify(uri, sample_fraction, output)]
+    runs = find_runs(uri, output)
+    if not runs:
+        raise NoRunError(
+            f"{uri}: no hsx run there (no plan.json, commit record or manifest.json) and no runs under it"
+        )
+    return [run_verify(run, sample_fraction, output) for run in runs]
 
 
 def _verify(store: Store, report: VerifyReport, fraction: float | None, rng: random.Random) -> None:

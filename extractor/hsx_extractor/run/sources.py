@@ -1,0 +1,183 @@
+"""Where rows come from: JSONL (plain, gzip, zstd) or Parquet, local or on S3, always streamed.
+
+Each row carries its *line*: the 1-based line number in the (decompressed) file, blank lines
+counted, so a quarantine entry points at the line a person opens; for Parquet, the 1-based row
+number. Blank lines are not rows. Nothing here holds more than one chunk or one Parquet batch.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from hsx_extractor.storage.s3_client import S3Endpoint
+from hsx_extractor.storage.store import open_uri_chunks, open_uri_lines, open_uri_source
+
+CHUNK = 8 << 20
+PARQUET_BATCH_ROWS = 256
+# The Parquet columns a row may use; others are never read.
+PARQUET_COLUMNS = ("id", "messages", "conversations", "system", "tools", "input_ids", "loss_mask")
+Kind = Literal["jsonl", "gzip", "zstd", "parquet"]
+
+
+class DatasetError(RuntimeError):
+    """The dataset as a whole cannot be read (missing file, unsupported URI, damaged compression)."""
+
+
+@dataclass(frozen=True)
+class SourceRow:
+    """One row as read: a JSONL line (bytes, without its newline) or a decoded Parquet row."""
+
+    line: int
+    data: bytes | dict[str, Any]
+
+
+def dataset_kind(uri: str) -> Kind:
+    """The file's kind, from its name's suffix."""
+    name = uri.rsplit("/", 1)[-1].lower()
+    if name.endswith((".parquet", ".pq")):
+        return "parquet"
+    if name.endswith((".gz", ".gzip")):
+        return "gzip"
+    if name.endswith((".zst", ".zstd")):
+        return "zstd"
+    return "jsonl"
+
+
+def _check_exists(uri: str) -> None:
+    if not uri.startswith("s3://") and not Path(uri.removeprefix("file://")).is_file():
+        raise DatasetError(f"dataset {uri} does not exist or is not a file")
+
+
+def iter_rows(uri: str, where: S3Endpoint | None = None) -> Iterator[SourceRow]:
+    """Every row of the dataset in file order, with its line number."""
+    _check_exists(uri)
+    if dataset_kind(uri) == "parquet":
+        yield from _parquet_rows(uri, where)
+        return
+    for number, line in enumerate(_raw_lines(uri, where), start=1):
+        if line.strip():
+            yield SourceRow(number, line.rstrip(b"\r\n"))
+
+
+def _raw_lines(uri: str, where: S3Endpoint | None) -> Iterator[bytes]:
+    kind = dataset_kind(uri)
+    if kind == "jsonl":
+        yield from open_uri_lines(uri, where)
+        return
+    compressed: Any = _ChunkStream(open_uri_chunks(uri, where, CHUNK))
+    stream: Any
+    if kind == "gzip":
+        stream = gzip.GzipFile(fileobj=io.BufferedReader(compressed, CHUNK), mode="rb")
+        damaged: tuple[type[Exception], ...] = (OSError, EOFError)
+    else:
+        import zstandard
+
+        stream = zstandard.ZstdDecompressor().stream_reader(compressed, read_across_frames=True)
+        damaged = (zstandard.ZstdError,)
+    try:
+        yield from split_lines(stream.read)
+    except damaged as exc:
+        raise DatasetError(f"dataset {uri}: cannot decompress ({kind}): {exc}") from exc
+    finally:
+        stream.close()
+
+
+def split_lines(read: Callable[[int], bytes]) -> Iterator[bytes]:
+    """Lines (each with its newline, the last maybe without) of a stream read in chunks."""
+    pending: list[bytes] = []
+    while chunk := read(CHUNK):
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            pending.append(chunk[start : end + 1])
+            yield b"".join(pending)
+            pending = []
+            start = end + 1
+        if start < len(chunk):
+            pending.append(chunk[start:])
+    if pending:
+        yield b"".join(pending)
+
+
+class _ChunkStream(io.RawIOBase):
+    """A readable stream over an iterator of byte chunks."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks = chunks
+        self._current = b""
+        self._offset = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while self._offset >= len(self._current):
+            nxt = next(self._chunks, None)
+            if nxt is None:
+                return 0
+            self._current, self._offset = nxt, 0
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), len(self._current) - self._offset)
+        view[:n] = self._current[self._offset : self._offset + n]
+        self._offset += n
+        return n
+
+
+class _RangedFile(io.RawIOBase):
+    """A seekable, readable file over ranged reads of one object (what Parquet needs)."""
+
+    def __init__(self, uri: str, where: S3Endpoint | None) -> None:
+        self._source = open_uri_source(uri, where)
+        self._size = self._source.size
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), self._size - self._position)
+        if n <= 0:
+            return 0
+        data = self._source.read_at(self._position, n)
+        view[: len(data)] = data
+        self._position += len(data)
+        return len(data)
+
+
+def _parquet_rows(uri: str, where: S3Endpoint | None) -> Iterator[SourceRow]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise DatasetError(f"dataset {uri}: reading Parquet needs pyarrow (the extractor extra)") from exc
+    source: Any = (
+        io.BufferedReader(_RangedFile(uri, where), CHUNK)
+        if uri.startswith("s3://")
+        else uri.removeprefix("file://")
+    )
+    try:
+        parquet = pq.ParquetFile(source)
+        columns = [c for c in parquet.schema_arrow.names if c in PARQUET_COLUMNS]
+        number = 0
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+            for row in batch.to_pylist():
+                number += 1
+                yield SourceRow(number, row)
+    except (pa.ArrowException, OSError) as exc:
+        raise DatasetError(f"dataset {uri}: cannot read it as Parquet: {exc}") from exc
