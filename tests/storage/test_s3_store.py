@@ -191,6 +191,27 @@ def test_missing_bucket_fails_at_once(s3_env: S3Server) -> None:
     assert "no-such-bucket-here" in str(info.value)
 
 
+def test_a_store_that_honours_if_none_match_passes_the_probe(s3_env: S3Server, s3_bucket: str) -> None:
+    open_store(_spec(s3_env, s3_bucket), "run-1")
+    assert "Contents" not in s3_env.client().list_objects_v2(Bucket=s3_bucket)  # probe key removed
+
+
+def test_a_store_that_ignores_if_none_match_is_refused(s3_env: S3Server, s3_bucket: str) -> None:
+    """Issue 14 item 3: on such a store a duplicate writer silently overwrites a committed shard."""
+    plan = FaultPlan(seed=0, rate=0.0, strip_if_none_match=True, secret_key=s3_env.secret_key)
+    with FaultProxy(s3_env.endpoint, plan) as proxy:
+        spec = _spec(s3_env, s3_bucket, endpoint=proxy.endpoint)
+        with pytest.raises(PermanentStoreError, match="ignores conditional writes") as info:
+            open_store(spec, "run-1")
+        assert proxy.counts["stripped if-none-match"] == 2
+        # Readers write nothing, so they do not probe: an existing run stays readable.
+        assert open_store(spec, "run-1", writing=False).committed_shards() == set()
+    message = str(info.value)
+    assert proxy.endpoint in message and s3_bucket in message and "If-None-Match" in message
+    assert info.value.exit_code == 3
+    assert "Contents" not in s3_env.client().list_objects_v2(Bucket=s3_bucket)  # probe key removed
+
+
 @pytest.mark.parametrize("prefix", ["team/../escape", "../up", "a/./b"])
 def test_dot_dot_in_the_prefix_is_rejected(s3_env: S3Server, s3_bucket: str, prefix: str) -> None:
     with pytest.raises(InvalidKeyError):

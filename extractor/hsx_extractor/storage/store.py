@@ -386,13 +386,22 @@ def open_backend(uri: str, output: OutputSpec | None = None) -> tuple[Backend, s
     ), location.prefix
 
 
-def open_store(output: OutputSpec, run_id: str, spool_dir: str | None = None) -> Store:
-    """The store of run ``run_id`` under ``output.uri`` (local directory or ``s3://``)."""
+def open_store(
+    output: OutputSpec, run_id: str, spool_dir: str | None = None, *, writing: bool = True
+) -> Store:
+    """The store of run ``run_id`` under ``output.uri`` (local directory or ``s3://``).
+
+    S3: bad credentials or a missing bucket fail here, before any work; a store opened for
+    ``writing`` must also honour ``If-None-Match: *`` (probed), else :class:`PermanentStoreError`.
+    Readers pass ``writing=False``: they may hold read-only credentials and write nothing."""
     backend, prefix = open_backend(output.uri, output)
     store = Store(backend, RunLayout(prefix, run_id), output, spool_dir)
     preflight = getattr(backend, "preflight", None)
-    if preflight is not None:  # S3: bad credentials or a missing bucket fail here, before any work
+    if preflight is not None:
         preflight(store.layout.root + "/")
+    probe = getattr(backend, "probe_conditional_writes", None)
+    if writing and probe is not None:
+        probe(store.layout.root + "/")
     return store
 
 
