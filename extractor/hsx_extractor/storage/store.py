@@ -7,7 +7,9 @@ A shard counts only once its *commit record* exists. Sealing a shard:
    content can share it; if it exists, compare headers (the header lists every sample's
    checksum): equal header + size -> success, anything else is a :class:`ShardConflictError`.
 2. create the commit record only if absent. This one conditional write decides the shard: an
-   existing record must be identical, else :class:`ShardConflictError` (nothing is overwritten).
+   existing record must describe the same content (:meth:`ShardCommit.content`: object, range,
+   samples, quarantined rows and reasons; free-text details may differ), else
+   :class:`ShardConflictError` (nothing is overwritten).
 
 A writer killed between 1 and 2 leaves an object no record names; the restarted writer may
 produce different bytes (GPU kernels are not bit-deterministic), which then land under a
@@ -247,10 +249,13 @@ class Store:
         existing = self.backend.get(commit_key)
         try:
             stored = load_json(existing, "commit record", MAX_COMMIT_BYTES) if existing is not None else None
+            theirs_commit = ShardCommit.from_json(stored) if isinstance(stored, dict) else None
         except ShardFormatError:
-            stored = None  # unreadable: a conflict like any other record that is not ours
-        if stored is not None and stored == json.loads(record):
-            return  # an identical writer (or our own retried request) got there first
+            stored = theirs_commit = None  # unreadable: a conflict like any other record that is not ours
+        if theirs_commit is not None and theirs_commit.content() == commit.content():
+            # An identical writer (a duplicate pod, or our own retried request) got there first;
+            # only free-text quarantine details (which name request ids) may differ.
+            return
         theirs = stored.get("key") if isinstance(stored, dict) else None
         if theirs != commit.key:
             self.backend.delete(commit.key)  # unreferenced: nobody will ever read it
