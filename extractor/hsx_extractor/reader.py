@@ -78,7 +78,7 @@ class OutputReader:
         self._pid = os.getpid()
 
     def _open(self) -> Store:
-        return open_store(self._spec, self.run_id)
+        return open_store(self._spec, self.run_id, writing=False)
 
     def _store(self) -> Store:
         # boto3 clients do not survive fork(): each DataLoader worker opens its own.

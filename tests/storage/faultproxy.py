@@ -10,12 +10,18 @@ connection per request. A seeded fraction of requests instead gets one fault:
 * ``slow``         - forwarded after a delay.
 
 ``slow_matching`` delays every request whose target contains that text (to widen a window).
+
+``strip_if_none_match`` (with the server's ``secret_key``) removes the ``If-None-Match`` header
+from every request and signs it again (SigV4, same identity and date): the server then sees a
+plain PUT or complete, like a store that ignores conditional writes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import random
 import threading
 from collections import Counter
@@ -60,6 +66,8 @@ class FaultPlan:
     slow_seconds: float = 0.3
     slow_matching: str | None = None
     injections: list[Injection] = field(default_factory=list)
+    strip_if_none_match: bool = False
+    secret_key: str = ""  # to sign requests again once a header is stripped
 
 
 async def _read_head(reader: asyncio.StreamReader) -> bytes | None:
@@ -95,6 +103,47 @@ async def _read_body(reader: asyncio.StreamReader, fields: dict[str, str], until
     if "content-length" in fields:
         return await reader.readexactly(int(fields["content-length"]))
     return await reader.read() if until_eof else b""
+
+
+def _hmac(key: bytes, text: str) -> bytes:
+    return hmac.new(key, text.encode(), hashlib.sha256).digest()
+
+
+def resign_without(head: bytes, drop: str, secret_key: str) -> bytes:
+    """The request head without header ``drop``, its SigV4 ``Authorization`` computed again."""
+    lines = head.decode("latin-1").split("\r\n")
+    request_line, header_lines = lines[0], [line for line in lines[1:] if line]
+    kept = [line for line in header_lines if line.split(":", 1)[0].strip().lower() != drop]
+    fields = {line.split(":", 1)[0].strip().lower(): line.split(":", 1)[1].strip() for line in kept}
+    auth = fields["authorization"]
+    algorithm, _, rest = auth.partition(" ")
+    parts = dict(p.strip().split("=", 1) for p in rest.split(","))
+    signed = [h for h in parts["SignedHeaders"].split(";") if h != drop]
+    method, target = request_line.split()[0], request_line.split()[1]
+    url = urlsplit(target)
+    query = "&".join(
+        sorted(f"{k}={v}" for k, _, v in (q.partition("=") for q in url.query.split("&") if q))
+    )
+    canonical = "\n".join(
+        [
+            method,
+            url.path,
+            query,
+            "".join(f"{h}:{' '.join(fields[h].split())}\n" for h in signed),
+            ";".join(signed),
+            fields["x-amz-content-sha256"],
+        ]
+    )
+    scope = parts["Credential"].split("/", 1)[1]
+    date, region, service, _ = scope.split("/")
+    to_sign = "\n".join([algorithm, fields["x-amz-date"], scope, hashlib.sha256(canonical.encode()).hexdigest()])
+    key = _hmac(_hmac(_hmac(_hmac(f"AWS4{secret_key}".encode(), date), region), service), "aws4_request")
+    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    new_auth = f"{algorithm} Credential={parts['Credential']}, SignedHeaders={';'.join(signed)}, Signature={signature}"
+    out = [request_line] + [
+        f"Authorization: {new_auth}" if line.lower().startswith("authorization:") else line for line in kept
+    ]
+    return ("\r\n".join(out) + "\r\n\r\n").encode("latin-1")
 
 
 class FaultProxy:
@@ -169,6 +218,9 @@ class FaultProxy:
                     writer.write(_error_response(injected.status, injected.code))
                     await writer.drain()
                     continue
+                if self.plan.strip_if_none_match and "if-none-match" in fields:
+                    head = resign_without(head, "if-none-match", self.plan.secret_key)
+                    self.counts["stripped if-none-match"] += 1
                 fault = None if injected is not None else self._pick(target)
                 if fault == "error":
                     writer.write(_error_response(503, "SlowDown"))

@@ -125,6 +125,35 @@ def test_two_writers_racing_on_one_shard(s3_env: S3Server, s3_bucket: str) -> No
     assert _uploads(s3_env, s3_bucket) == []
 
 
+def test_two_writers_whose_quarantine_details_differ_agree(s3_env: S3Server, s3_bucket: str) -> None:
+    """Issue 14 item 4: a duplicate pod quarantines the same row for the same reason, but the
+    free-text detail names its own request id. Same content: both succeed, one record."""
+    from hsx_extractor.storage.commit_record import QuarantineEntry
+
+    spec = _spec(s3_env, s3_bucket)
+    results = []
+    for rid in ("rid-of-pod-a", "rid-of-pod-b"):
+        b = open_store(spec, "dup").open_shard(0, range(0, 10))
+        for i in range(10):
+            if i == 3:
+                b.quarantine(QuarantineEntry(3, "s3", "server_error", f"rid {rid}: error marker"))
+            else:
+                b.add(record(i, seq_len_of(i), 64))
+        results.append(b.seal())
+    assert results[0].content() == results[1].content()
+    stored_commit = open_store(spec, "dup", writing=False).get_commit(0)
+    assert stored_commit is not None and stored_commit.quarantine[0].detail == "rid rid-of-pod-a: error marker"
+    # A different reason for the same row is a real conflict.
+    b = open_store(spec, "dup").open_shard(0, range(0, 10))
+    for i in range(10):
+        if i == 3:
+            b.quarantine(QuarantineEntry(3, "s3", "no_dump", "rid rid-of-pod-c"))
+        else:
+            b.add(record(i, seq_len_of(i), 64))
+    with pytest.raises(ShardConflictError):
+        b.seal()
+
+
 def test_two_writers_racing_with_different_content(s3_env: S3Server, s3_bucket: str) -> None:
     """Exactly one wins; the other gets the loud error and its object is discarded."""
     spec = _spec(s3_env, s3_bucket)
@@ -189,6 +218,27 @@ def test_missing_bucket_fails_at_once(s3_env: S3Server) -> None:
     with pytest.raises(PermanentStoreError, match="bucket does not exist") as info:
         open_store(_spec(s3_env, "no-such-bucket-here"), "run-1")
     assert "no-such-bucket-here" in str(info.value)
+
+
+def test_a_store_that_honours_if_none_match_passes_the_probe(s3_env: S3Server, s3_bucket: str) -> None:
+    open_store(_spec(s3_env, s3_bucket), "run-1")
+    assert "Contents" not in s3_env.client().list_objects_v2(Bucket=s3_bucket)  # probe key removed
+
+
+def test_a_store_that_ignores_if_none_match_is_refused(s3_env: S3Server, s3_bucket: str) -> None:
+    """Issue 14 item 3: on such a store a duplicate writer silently overwrites a committed shard."""
+    plan = FaultPlan(seed=0, rate=0.0, strip_if_none_match=True, secret_key=s3_env.secret_key)
+    with FaultProxy(s3_env.endpoint, plan) as proxy:
+        spec = _spec(s3_env, s3_bucket, endpoint=proxy.endpoint)
+        with pytest.raises(PermanentStoreError, match="ignores conditional writes") as info:
+            open_store(spec, "run-1")
+        assert proxy.counts["stripped if-none-match"] == 2
+        # Readers write nothing, so they do not probe: an existing run stays readable.
+        assert open_store(spec, "run-1", writing=False).committed_shards() == set()
+    message = str(info.value)
+    assert proxy.endpoint in message and s3_bucket in message and "If-None-Match" in message
+    assert info.value.exit_code == 3
+    assert "Contents" not in s3_env.client().list_objects_v2(Bucket=s3_bucket)  # probe key removed
 
 
 @pytest.mark.parametrize("prefix", ["team/../escape", "../up", "a/./b"])

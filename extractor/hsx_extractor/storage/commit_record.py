@@ -136,6 +136,23 @@ class ShardCommit:
             )
         return commit
 
+    def content(self) -> tuple[Any, ...]:
+        """What the record says about the shard's content: the object (key, checksum over every
+        sample's checksum, sizes), the range, the stored samples and which rows are quarantined
+        and why. Not the quarantine ``detail``: free text that may name the writer's request id,
+        so two writers doing identical work would otherwise disagree."""
+        return (
+            self.shard_index,
+            self.key,
+            self.checksum,
+            self.bytes_stored,
+            self.bytes_raw,
+            self.start,
+            self.stop,
+            self.sample_indices,
+            tuple((q.index, q.sample_id, q.reason) for q in self.quarantine),
+        )
+
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> ShardCommit:
         """A commit record from its stored bytes (bounded parse, then :meth:`from_json`)."""

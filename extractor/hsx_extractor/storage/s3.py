@@ -8,6 +8,7 @@ boto3 client built by :func:`~hsx_extractor.storage.s3_client.make_client`.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from functools import partial
@@ -211,6 +212,7 @@ class S3Backend:
         self.bucket = bucket
         self.config = config
         self.description = f"s3://{bucket}"
+        self.endpoint_url = str(getattr(getattr(client, "meta", None), "endpoint_url", "") or "the default endpoint")
         self.retrier = Retrier(config, bucket, prefix)
         self.uploader = MultipartUploader(client, bucket, config, self.retrier)
 
@@ -227,6 +229,31 @@ class S3Backend:
             prefix,
             lambda: self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=1),
         )
+
+    def probe_conditional_writes(self, prefix: str) -> None:
+        """Refuse a store that ignores ``If-None-Match: *``: on such a store a duplicate writer
+        silently overwrites what another committed (some MinIO, Ceph and GCS XML versions).
+
+        PUTs one probe key under ``prefix`` twice with ``If-None-Match: *``; the second must be
+        refused with 412. (The first may also be refused, after a lost response was retried.)"""
+        key = f"{prefix}.hsx-conditional-write-probe-{uuid.uuid4().hex}"
+        try:
+            self.uploader.put_if_absent(key, b"hsx probe: safe to delete\n")
+            overwritten = self.uploader.put_if_absent(key, b"hsx probe, second write: safe to delete\n")
+        finally:
+            try:
+                self.delete(key)
+            except Exception:  # best effort: a leftover probe key is harmless and names itself
+                pass
+        if overwritten:
+            raise PermanentStoreError(
+                f"the S3 store at {self.endpoint_url} (bucket {self.bucket!r}) ignores conditional "
+                "writes: a second PUT with 'If-None-Match: *' of an existing key succeeded instead of "
+                "failing with 412 Precondition Failed. On such a store a duplicate writer silently "
+                "overwrites committed shards, so hsx refuses to run. Upgrade the store to a version that "
+                "honours If-None-Match on PutObject and CompleteMultipartUpload (AWS S3, recent MinIO, "
+                "Ceph RGW and SeaweedFS do), or write to another store."
+            )
 
     def get(self, key: str) -> bytes | None:
         def fetch() -> bytes:

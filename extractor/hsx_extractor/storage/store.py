@@ -7,7 +7,9 @@ A shard counts only once its *commit record* exists. Sealing a shard:
    content can share it; if it exists, compare headers (the header lists every sample's
    checksum): equal header + size -> success, anything else is a :class:`ShardConflictError`.
 2. create the commit record only if absent. This one conditional write decides the shard: an
-   existing record must be identical, else :class:`ShardConflictError` (nothing is overwritten).
+   existing record must describe the same content (:meth:`ShardCommit.content`: object, range,
+   samples, quarantined rows and reasons; free-text details may differ), else
+   :class:`ShardConflictError` (nothing is overwritten).
 
 A writer killed between 1 and 2 leaves an object no record names; the restarted writer may
 produce different bytes (GPU kernels are not bit-deterministic), which then land under a
@@ -248,10 +250,13 @@ class Store:
         existing = self.backend.get(commit_key)
         try:
             stored = load_json(existing, "commit record", MAX_COMMIT_BYTES) if existing is not None else None
+            theirs_commit = ShardCommit.from_json(stored) if isinstance(stored, dict) else None
         except ShardFormatError:
-            stored = None  # unreadable: a conflict like any other record that is not ours
-        if stored is not None and stored == json.loads(record):
-            return  # an identical writer (or our own retried request) got there first
+            stored = theirs_commit = None  # unreadable: a conflict like any other record that is not ours
+        if theirs_commit is not None and theirs_commit.content() == commit.content():
+            # An identical writer (a duplicate pod, or our own retried request) got there first;
+            # only free-text quarantine details (which name request ids) may differ.
+            return
         theirs = stored.get("key") if isinstance(stored, dict) else None
         if theirs != commit.key:
             self.backend.delete(commit.key)  # unreferenced: nobody will ever read it
@@ -387,13 +392,22 @@ def open_backend(uri: str, output: OutputSpec | None = None) -> tuple[Backend, s
     ), location.prefix
 
 
-def open_store(output: OutputSpec, run_id: str, spool_dir: str | None = None) -> Store:
-    """The store of run ``run_id`` under ``output.uri`` (local directory or ``s3://``)."""
+def open_store(
+    output: OutputSpec, run_id: str, spool_dir: str | None = None, *, writing: bool = True
+) -> Store:
+    """The store of run ``run_id`` under ``output.uri`` (local directory or ``s3://``).
+
+    S3: bad credentials or a missing bucket fail here, before any work; a store opened for
+    ``writing`` must also honour ``If-None-Match: *`` (probed), else :class:`PermanentStoreError`.
+    Readers pass ``writing=False``: they may hold read-only credentials and write nothing."""
     backend, prefix = open_backend(output.uri, output)
     store = Store(backend, RunLayout(prefix, run_id), output, spool_dir)
     preflight = getattr(backend, "preflight", None)
-    if preflight is not None:  # S3: bad credentials or a missing bucket fail here, before any work
+    if preflight is not None:
         preflight(store.layout.root + "/")
+    probe = getattr(backend, "probe_conditional_writes", None)
+    if writing and probe is not None:
+        probe(store.layout.root + "/")
     return store
 
 

@@ -109,7 +109,7 @@ def run_verify(
     )
     report = VerifyReport(uri=uri, sample_fraction=sample_fraction)
     try:
-        store = open_store(spec, run_id)
+        store = open_store(spec, run_id, writing=False)
         _verify(store, report, sample_fraction, random.Random(seed))
     except StoreError as exc:
         report.error(f"storage: {exc}")
