@@ -58,8 +58,13 @@ def test_run_with_real_sglang_in_the_pod_succeeds_and_verifies(
         "extraArgs": list(CPU_ARGS),
         "env": [{"name": k, "value": v} for k, v in CPU_ENV.items()],
         "startupTimeoutSeconds": 900,
+        "gpus": 1,  # one CPU rank: SGLang on CPU runs one rank per NUMA node
     }
-    ns.apply(xj_manifest("real", "r1", server=server, **run_env))
+    # SGLang runs with --context-length 512 here: a longer sample would be refused (server_error)
+    # and trip the mismatch gate, so the dataset quarantines them first (too_long).
+    manifest = xj_manifest("real", "r1", server=server, **run_env)
+    manifest["spec"]["dataset"]["maxLength"] = 500
+    ns.apply(manifest)
     done = wait_for(phase(ns, "real", "Succeeded", "Failed"), 1200, "the run with real SGLang to end")
     assert done["phase"] == "Succeeded", (done, op.tail())
     report = verify(Path(run_env["output"]) / "r1")
