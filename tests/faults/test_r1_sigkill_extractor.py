@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from hsx_extractor.run.dataset import Prepared, iter_lines, read_samples
+from hsx_extractor.run.dataset import Prepared, read_samples
+from hsx_extractor.run.sources import iter_rows
 from tests.faults.helpers import (
     RefServerProcess,
     committed_count,
@@ -99,7 +100,7 @@ def test_sigkill_at_random_points_loses_and_duplicates_nothing(
     report = hsx_verify(f"s3://{s3_bucket}/r1/r1", env=s3_env.env() | {"AWS_ENDPOINT_URL_S3": s3_env.endpoint})
     assert report["ok"] and report["manifest"] and report["duplicates"] == 0, report
     samples, quarantined = stored(output, "r1")
-    want = {s.index: s for s in read_samples(iter_lines(str(dataset)), fault_tokenizer, 512)
+    want = {s.index: s for s in read_samples(iter_rows(str(dataset)), fault_tokenizer, 512)
             if isinstance(s, Prepared)}
     assert sorted(samples) == sorted(want) and len(want) == ROWS
     assert quarantined == {ROWS: "invalid_json", ROWS + 1: "empty_messages"}

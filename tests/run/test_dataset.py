@@ -11,16 +11,9 @@ import numpy as np
 import pytest
 
 from hsx_extractor.reasons import Reason
-from hsx_extractor.run.dataset import (
-    Prepared,
-    Rejected,
-    iter_lines,
-    parse_row,
-    prepare,
-    prepare_samples,
-    read_samples,
-)
+from hsx_extractor.run.dataset import Prepared, Rejected, parse_row, prepare, prepare_samples, read_samples
 from hsx_extractor.run.plan import build_plan
+from hsx_extractor.run.sources import iter_rows
 from hsx_extractor.run.tokens import ChatTokenizer, TokenizerError
 from hsx_extractor.tools.cli import main
 from hsx_extractor.tools.tinymodel import BOS, CHAT_TEMPLATE, EOS, TURN_END, example_dataset_path
@@ -209,7 +202,7 @@ def test_duplicate_ids_first_accepted_wins(tokenizer: ChatTokenizer, tmp_path: P
     ]
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(rows) + "\n\n")
-    items = list(read_samples(iter_lines(str(path)), tokenizer, 512))
+    items = list(read_samples(iter_rows(str(path)), tokenizer, 512))
     assert len(items) == 4  # the trailing blank line is not a row
     plan = build_plan(
         {},
@@ -223,7 +216,7 @@ def test_duplicate_ids_first_accepted_wins(tokenizer: ChatTokenizer, tmp_path: P
 
 
 def test_bundled_dataset_has_every_dataset_reason(tokenizer: ChatTokenizer) -> None:
-    items = list(read_samples(iter_lines(str(example_dataset_path())), tokenizer, 256))
+    items = list(read_samples(iter_rows(str(example_dataset_path())), tokenizer, 256))
     reasons = {str(i.reason) for i in items if isinstance(i, Rejected)}
     assert reasons == {
         "invalid_json",
@@ -241,10 +234,10 @@ def test_bundled_dataset_has_every_dataset_reason(tokenizer: ChatTokenizer) -> N
 
 
 def test_missing_dataset_is_a_clear_error(tmp_path: Path) -> None:
-    from hsx_extractor.run.dataset import DatasetError
+    from hsx_extractor.run.sources import DatasetError
 
     with pytest.raises(DatasetError, match="does not exist"):
-        list(iter_lines(str(tmp_path / "nope.jsonl")))
+        list(iter_rows(str(tmp_path / "nope.jsonl")))
 
 
 # ---- every per-row failure is a quarantine with its line ------------------------------------------
@@ -258,14 +251,14 @@ def test_a_lone_surrogate_is_a_quarantine_not_a_crash(tokenizer: ChatTokenizer, 
     assert isinstance(outcome(pair, tokenizer), Prepared)  # a valid pair is one character
     path = tmp_path / "s.jsonl"
     path.write_bytes(GOOD + b"\n" + raw + b"\n" + GOOD.replace(b'"x"', b'"y"') + b"\n")
-    items = list(read_samples(iter_lines(str(path)), tokenizer, 512))
+    items = list(read_samples(iter_rows(str(path)), tokenizer, 512))
     assert [type(i).__name__ for i in items] == ["Prepared", "Rejected", "Prepared"]
 
 
 def test_quarantines_carry_the_file_line_counting_blank_lines(tokenizer: ChatTokenizer, tmp_path: Path) -> None:
     path = tmp_path / "lines.jsonl"
     path.write_bytes(b"\n".join([GOOD, b"", b"   ", b"{broken", GOOD.replace(b'"x"', b'"z"'), b"", b"[1]"]) + b"\n")
-    items = list(read_samples(iter_lines(str(path)), tokenizer, 512))
+    items = list(read_samples(iter_rows(str(path)), tokenizer, 512))
     assert [(i.index, i.line, type(i).__name__) for i in items] == [
         (0, 1, "Prepared"),
         (1, 4, "Rejected"),
@@ -382,11 +375,11 @@ def test_expanded_rows_take_one_index_per_turn(tokenizer: ChatTokenizer, tmp_pat
     two = chat(("user", "a?"), ("assistant", "A."), ("user", "b?"), ("assistant", "B."))
     path = tmp_path / "e.jsonl"
     path.write_bytes(b"\n".join([two, b"{bad", GOOD, chat(("user", "only a question"))]) + b"\n")
-    items = list(read_samples(iter_lines(str(path)), tokenizer, 512, expand=True))
+    items = list(read_samples(iter_rows(str(path)), tokenizer, 512, expand=True))
     assert [(i.index, i.line, type(i).__name__) for i in items] == [
         (0, 1, "Prepared"), (1, 1, "Prepared"), (2, 2, "Rejected"), (3, 3, "Prepared"), (4, 4, "Rejected")
     ]
-    wanted = list(read_samples(iter_lines(str(path)), tokenizer, 512, expand=True, wanted=lambda i: i == 3))
+    wanted = list(read_samples(iter_rows(str(path)), tokenizer, 512, expand=True, wanted=lambda i: i == 3))
     assert [i.index for i in wanted] == [3]
 
 

@@ -6,9 +6,9 @@ import pytest
 
 from hsx_extractor.contract import EXIT_PERMANENT, EXIT_TRANSIENT
 from hsx_extractor.model import ModelConfigError
-from hsx_extractor.run.dataset import DatasetError
 from hsx_extractor.run.failures import RunFailed, describe_failure
 from hsx_extractor.run.server_client import ServerUnavailable
+from hsx_extractor.run.sources import DatasetError
 from hsx_extractor.run.tokens import TokenizerError
 from hsx_extractor.run.validate import DumpShapeError
 from hsx_extractor.storage.backends import PermanentStoreError, ShardConflictError, TransientStoreError

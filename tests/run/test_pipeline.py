@@ -19,10 +19,11 @@ from hsx_extractor.config import ExtractConfig, OutputSpec
 from hsx_extractor.contract import EXIT_OK, EXIT_PERMANENT, ProgressReport
 from hsx_extractor.protocol import dump_bytes_bound
 from hsx_extractor.run import collect, engine
-from hsx_extractor.run.dataset import Prepared, iter_lines, read_samples
+from hsx_extractor.run.dataset import Prepared, read_samples
 from hsx_extractor.run.extraction import Extraction, RunResult
 from hsx_extractor.run.progress import Progress, bound_port, start_progress_server
 from hsx_extractor.run.runner import extract
+from hsx_extractor.run.sources import iter_rows
 from hsx_extractor.run.tokens import ChatTokenizer
 from hsx_extractor.storage.shard_format import SampleRecord
 from hsx_extractor.storage.store import open_store
@@ -60,7 +61,7 @@ def stored(cfg: dict[str, Any]) -> tuple[dict[int, SampleRecord], dict[int, str]
 def expected_tokens(tokenizer: ChatTokenizer, dataset: Path, max_length: int) -> dict[int, Prepared]:
     return {
         s.index: s
-        for s in read_samples(iter_lines(str(dataset)), tokenizer, max_length)
+        for s in read_samples(iter_rows(str(dataset)), tokenizer, max_length)
         if isinstance(s, Prepared)
     }
 

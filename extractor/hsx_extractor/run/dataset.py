@@ -21,10 +21,8 @@ import numpy as np
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.contract import DATASET_CREDENTIALS_ENV
 from hsx_extractor.reasons import Reason
-from hsx_extractor.run.sources import DatasetError, SourceRow, iter_rows
+from hsx_extractor.run.sources import SourceRow
 from hsx_extractor.storage.s3_client import S3Endpoint
-
-__all__ = ["DatasetError", "SourceRow", "iter_lines", "iter_rows"]
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 # ShareGPT speakers -> roles.
@@ -41,7 +39,6 @@ SHAREGPT_ROLES = {
 # Message fields passed to the chat template; others are dropped.
 OPTIONAL_FIELDS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 RowFormat = Literal["auto", "messages", "tokens"]
-iter_lines = iter_rows  # the dataset's rows with their line numbers (JSONL lines or Parquet rows)
 
 
 class RowRefused(ValueError):

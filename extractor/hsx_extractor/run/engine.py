@@ -19,10 +19,11 @@ from hsx_extractor.protocol import RunKey, dump_bytes_bound, make_rid
 from hsx_extractor.reasons import Reason
 from hsx_extractor.run import collect
 from hsx_extractor.run.collect import Collector
-from hsx_extractor.run.dataset import DatasetError, Prepared, Rejected
+from hsx_extractor.run.dataset import Prepared, Rejected
 from hsx_extractor.run.failures import RunFailed, describe_failure, permanent
 from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.server_client import RequestRejected, ServerClient
+from hsx_extractor.run.sources import DatasetError
 from hsx_extractor.run.validate import Mismatch, MismatchGate
 from hsx_extractor.storage.backends import StoreError
 from hsx_extractor.storage.commit_record import QuarantineEntry, ShardCommit

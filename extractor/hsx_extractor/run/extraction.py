@@ -23,12 +23,13 @@ from hsx_extractor.model import ModelShape, check_vocab, model_fingerprint, mode
 from hsx_extractor.protocol import RunKey
 from hsx_extractor.reasons import Reason
 from hsx_extractor.run import collect
-from hsx_extractor.run.dataset import Prepared, Rejected, dataset_endpoint, iter_rows, read_samples
+from hsx_extractor.run.dataset import Prepared, Rejected, dataset_endpoint, read_samples
 from hsx_extractor.run.engine import EngineContext, ShardState, ShardWorker
 from hsx_extractor.run.failures import permanent
 from hsx_extractor.run.plan import PLAN_NAME, PlanMismatch, ShardPlan, build_plan, hashed, replica_shards
 from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.server_client import ServerClient
+from hsx_extractor.run.sources import iter_rows
 from hsx_extractor.run.tokens import ChatTokenizer, TokenizerError
 from hsx_extractor.run.validate import MismatchGate
 from hsx_extractor.storage.commit_record import ShardCommit

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from hsx_extractor.contract import EXIT_PERMANENT, EXIT_TRANSIENT
 from hsx_extractor.model import ModelConfigError
-from hsx_extractor.run.dataset import DatasetError
 from hsx_extractor.run.server_client import ServerUnavailable
+from hsx_extractor.run.sources import DatasetError
 from hsx_extractor.run.tokens import TokenizerError
 from hsx_extractor.run.validate import DumpShapeError
 from hsx_extractor.storage.backends import StoreError

@@ -291,12 +291,13 @@ def count_dataset(
     special: str = "text",
 ) -> Rows:
     """Tokenize the dataset exactly as ``hsx extract`` does (same template, same rejections)."""
-    from hsx_extractor.run.dataset import iter_lines, read_samples
+    from hsx_extractor.run.dataset import read_samples
+    from hsx_extractor.run.sources import iter_rows
     from hsx_extractor.run.tokens import ChatTokenizer
 
     template = chat_template.read_text() if chat_template else None
     tokenizer = ChatTokenizer(tokenizer_dir, template, special)  # type: ignore[arg-type]
-    samples = read_samples(iter_lines(uri), tokenizer, max_length, fmt, limit, expand)  # type: ignore[arg-type]
+    samples = read_samples(iter_rows(uri), tokenizer, max_length, fmt, limit, expand)  # type: ignore[arg-type]
     return rows_from_samples(samples)
 
 
