@@ -68,10 +68,17 @@ model, out, lengths = sys.argv[1], sys.argv[2], [int(n) for n in sys.argv[3].spl
 cfg = json.load(open(f"{model}/config.json"))
 cfg = cfg.get("text_config") or cfg
 vocab, longest = int(cfg["vocab_size"]), int(cfg.get("max_position_embeddings", 4096))
+try:  # rows start with the BOS the chat template writes, as hsx requires of token rows
+    from hsx_extractor.run.tokens import ChatTokenizer, TokenizerError
+    bos = ChatTokenizer(model).bos_id
+except TokenizerError:
+    bos = None
 rng = random.Random(0)
 with open(out, "w") as f:
     for i, n in enumerate(min(n, longest - 8) for n in lengths):
         ids = [rng.randrange(10, vocab - 10) for _ in range(n)]
+        if bos is not None:
+            ids[0] = bos
         f.write(json.dumps({"id": f"s{i}", "input_ids": ids, "loss_mask": [1] * n}) + "\n")
 print(open(out).read().count("\n"), "samples")
 EOF
