@@ -156,15 +156,19 @@ def run_engines(rounds: int = 9, requests: int = 32, concurrency: int = 8) -> di
             "hook plain / no-hook plain": b["hook, plain"] / b["no hook, plain"],
             "hook extraction / no-hook return_hidden_states": b["hook, extraction"]
             / b["no hook, extraction"],
+            "control: no-hook plain / second no-hook plain": b["no hook, plain"] / b[f"{CONTROL}, plain"],
         }
         ratios = {
             # The headline: extracting with hsx vs the same SGLang serving the same prompts plainly.
             "hook extraction / no-hook plain": m["hook, extraction"] / m["no hook, plain"],
-            # The hook's cost on requests that do not extract (it only wraps one method): ~1.
+            # The hook's cost on requests that do not extract (it only wraps one method): ~1,
+            # to be read against the control below.
             "hook plain / no-hook plain": m["hook, plain"] / m["no hook, plain"],
             # hsx's dump files vs SGLang's own return of the same states as JSON over HTTP.
             "hook extraction / no-hook return_hidden_states": m["hook, extraction"]
             / m["no hook, extraction"],
+            # Two identical servers without the hook: this machine's server-to-server spread.
+            "control: no-hook plain / second no-hook plain": m["no hook, plain"] / m[f"{CONTROL}, plain"],
         }
         result = {
             "device": "cpu",
@@ -181,6 +185,7 @@ def run_engines(rounds: int = 9, requests: int = 32, concurrency: int = 8) -> di
             "runs": runs,
             "ratios": ratios,
             "ratios_of_best_rounds": ratios_best,
+            "noisy": abs(ratios["control: no-hook plain / second no-hook plain"] - 1) > 0.1,
         }
         path = write_result("engines", result)
         print("\nengines (CPU NUMBERS, tiny model):")
@@ -189,6 +194,10 @@ def run_engines(rounds: int = 9, requests: int = 32, concurrency: int = 8) -> di
                   f"{v['tokens_per_s']:8.0f} tok/s")  # fmt: skip
         for name, v in ratios.items():
             print(f"  ratio {name:46} {v:.2f} (medians)  {ratios_best[name]:.2f} (best rounds)")
+        control = ratios["control: no-hook plain / second no-hook plain"]
+        if abs(control - 1) > 0.1:
+            print(f"  WARNING: two identical servers differ by {control:.2f}x here (load or placement): "
+                  "the ratios above are within this machine's noise; rerun on a quiet machine")  # fmt: skip
         print(f"  written to {path}")
         return result
     finally:

@@ -20,7 +20,7 @@ import pytest
 # The one import of the tiny-model builder (it may move in a refactor); the output reader's is in
 # compare.py. Everything else goes through the hsx CLI, the launcher or the dump protocol.
 from hsx_extractor.tools.tinymodel import build_tiny_model
-from tests.engines.sglang_server import SGLangServer
+from tests.engines.sglang_server import STARTED, SGLangServer
 from tests.engines.sglang_venv import install_hook, install_hsx, is_built, venv_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -71,6 +71,15 @@ def sglang_server_factory(
 
     yield make
     for server in mine:
+        server.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_server_outlives_its_module() -> Iterator[None]:
+    """Stop every server when a module's tests are done: in a full `make test` the rest of the session
+    must not share the machine with an idle SGLang (~3 GB). A later module restarts what it needs."""
+    yield
+    for server in STARTED:
         server.stop()
 
 
