@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in one go, then a one-screen summary (results in bench/results/).
 
-    .venv/bin/python -m bench [--only b1,b2,b3,b4,memory]
+    .venv/bin/python -m bench [--only b1,b2,b3,b4,memory,hook_writer]
 """
 
 from __future__ import annotations
@@ -21,9 +21,17 @@ def benchmarks() -> dict[str, Callable[[], dict[str, Any]]]:
     from bench.b1_dataplane import run_b1
     from bench.b2_saturation import run_b2
     from bench.b4_operator import run_b4
+    from bench.hook_writer import run_hook_writer
     from bench.memory import run_memory
 
-    return {"b1": run_b1, "b2": run_b2, "b3": _b3, "b4": run_b4, "memory": run_memory}
+    return {
+        "b1": run_b1,
+        "b2": run_b2,
+        "b3": _b3,
+        "b4": run_b4,
+        "memory": run_memory,
+        "hook_writer": run_hook_writer,
+    }
 
 
 def summary(results: dict[str, Any]) -> list[str]:
@@ -70,13 +78,17 @@ def summary(results: dict[str, Any]) -> list[str]:
                 f"{r['peak_rss_bytes'] / 2**30:.2f} GiB")
             row("", f"peak shm vs dumpDirMaxBytes {r['dump_dir_max_bytes'] / 2**30:.2f} GiB",
                 f"{r['peak_dump_dir_bytes'] / 2**30:.2f} GiB", "<= limit")
+        elif name == "hook_writer":
+            for run, v in r["runs"].items():
+                row("hook writer", f"{run}: GB/s, core-s/GB",
+                    f"{v['GBps']:.2f} {v['core_s_per_GB']:.2f}", "<= 0.6 c-s/GB")
     lines.append("=" * 100)
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="run hsx's benchmarks")
-    p.add_argument("--only", default="b1,b2,b3,b4,memory", help="comma-separated subset")
+    p.add_argument("--only", default="b1,b2,b3,b4,memory,hook_writer", help="comma-separated subset")
     args = p.parse_args(argv)
     table = benchmarks()
     wanted = [n.strip() for n in args.only.split(",") if n.strip()]

@@ -261,19 +261,26 @@ def write_dump(
     hidden_states: Any,
 ) -> Path:
     """Write one dump atomically. Tensors are buffers (numpy arrays, bytes, memoryviews) holding
-    int32 ids and bf16 bits in C order. The row counts are written as given - the consumer,
-    not the producer, decides whether they match what was sent - but byte sizes must agree
-    with the row counts, so a torn buffer cannot pass as a shorter tensor."""
+    int32 ids and bf16 bits in C order; aux and final may each be a list of such buffers holding
+    consecutive rows (prefill chunks), written one after another without a join. The row counts are
+    written as given - the consumer, not the producer, decides whether they match what was sent -
+    but byte sizes must agree with the row counts, so a torn buffer cannot pass as a shorter tensor."""
     ids = memoryview(input_ids).cast("B")
-    aux = memoryview(aux_hidden_states).cast("B")
-    fin = memoryview(hidden_states).cast("B")
+    aux = _byte_pieces(aux_hidden_states)
+    fin = _byte_pieces(hidden_states)
+    aux_bytes, fin_bytes = sum(p.nbytes for p in aux), sum(p.nbytes for p in fin)
     k, h = meta.num_aux, meta.hidden_size
-    if ids.nbytes % 4 or aux.nbytes % (2 * k * h) or fin.nbytes % (2 * h):
+    if ids.nbytes % 4 or any(p.nbytes % (2 * k * h) for p in aux) or any(p.nbytes % (2 * h) for p in fin):
         raise ProtocolError("tensor byte sizes are not whole rows")
-    entries = _tensor_entries(meta, ids.nbytes // 4, aux.nbytes // (2 * k * h), fin.nbytes // (2 * h))
+    entries = _tensor_entries(meta, ids.nbytes // 4, aux_bytes // (2 * k * h), fin_bytes // (2 * h))
     path = dump_path(dump_dir, meta.rid)
-    _atomic_write(path, [_encode_header(entries), ids, aux, fin])
+    _atomic_write(path, [_encode_header(entries), ids, *aux, *fin])
     return path
+
+
+def _byte_pieces(tensor: Any) -> list[memoryview]:
+    pieces = tensor if isinstance(tensor, list | tuple) else [tensor]
+    return [memoryview(p).cast("B") for p in pieces]
 
 
 def write_error(dump_dir: str | os.PathLike[str], rid: str, reason: str, message: str) -> Path:

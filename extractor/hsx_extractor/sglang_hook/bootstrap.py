@@ -33,6 +33,7 @@ from hsx_extractor.sglang_hook.launch import (
 log = logging.getLogger("hsx.sglang_hook")
 
 QUEUE_ENV = "SGLANG_HS_DUMP_QUEUE"
+WRITERS_ENV = "SGLANG_HS_DUMP_WRITERS"
 
 
 class HookVersionError(ImportError):
@@ -161,12 +162,16 @@ def _make_process_hook() -> Any:
     import atexit
 
     from hsx_extractor.sglang_hook.hook import ExtractionHook, resolve_capture_info
-    from hsx_extractor.sglang_hook.writer import DEFAULT_QUEUE_SIZE, DumpWriter
+    from hsx_extractor.sglang_hook.writer import DEFAULT_QUEUE_SIZE, DEFAULT_WRITER_THREADS, DumpWriter
 
     dump_dir = os.environ.get(DUMP_DIR_ENV)
     if not dump_dir:
         raise RuntimeError(f"hsx SGLang hook: {DUMP_DIR_ENV} is not set in the scheduler process")
-    writer = DumpWriter(dump_dir, int(os.environ.get(QUEUE_ENV, DEFAULT_QUEUE_SIZE)))
+    writer = DumpWriter(
+        dump_dir,
+        _positive_env(QUEUE_ENV, DEFAULT_QUEUE_SIZE),
+        _positive_env(WRITERS_ENV, DEFAULT_WRITER_THREADS),
+    )
     atexit.register(writer.flush, 30.0)
 
     def attn_tp_rank() -> int:
@@ -181,3 +186,12 @@ def _make_process_hook() -> Any:
         return resolve_capture_info(processor, None if ids is None else list(ids))
 
     return ExtractionHook(writer, attn_tp_rank, capture_info)
+
+
+def _positive_env(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    if not value:
+        return default
+    if not value.isdigit() or int(value) < 1:
+        raise RuntimeError(f"hsx SGLang hook: {name} must be a whole number >= 1, got {value!r}")
+    return int(value)

@@ -1,9 +1,13 @@
-"""Device-to-host staging and the background dump writer.
+"""Device-to-host staging and the background dump writers.
 
 The scheduler thread only enqueues copies: :func:`stage` starts a non-blocking copy of a GPU
-tensor into pinned host memory and records a CUDA event; the writer thread waits for that
-event, turns the rows into bf16 bits and writes the dump through the protocol module. CPU
-tensors (overlap scheduling already moved them, or tests) are kept by reference.
+tensor into pinned host memory and records a CUDA event; a writer thread waits for that event,
+views the rows as bf16 bits and writes the dump through the protocol module. CPU tensors
+(overlap scheduling already moved them, or tests) are kept by reference.
+
+Writers never run torch ops: a torch op in a writer thread starts its own OpenMP team, which
+competes with the scheduler's forward on CPU; numpy views, copies and file writes release the GIL,
+so several writers scale with cores.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +27,9 @@ from hsx_extractor import protocol
 log = logging.getLogger("hsx.sglang_hook")
 
 DEFAULT_QUEUE_SIZE = 64
+# Measured in bench/hook_writer.py: writing is memory copies, so a few threads carry the dumps of
+# a saturated 8-GPU server; more only add contention.
+DEFAULT_WRITER_THREADS = 4
 
 
 @dataclass
@@ -61,13 +68,24 @@ def stage(rows: torch.Tensor) -> Staged:
     return Staged(host=host, event=event, source=rows)
 
 
-def bf16_bits(chunks: Sequence[Staged]) -> np.ndarray:
-    """The rows of ``chunks``, in order, as one C-ordered array of bf16 bit patterns."""
-    parts = [c.wait() for c in chunks]
-    rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    if rows.dtype != torch.bfloat16:
-        rows = rows.to(torch.bfloat16)
-    return rows.contiguous().view(torch.int16).numpy()
+def bf16_bits(chunks: Sequence[Staged]) -> list[np.ndarray]:
+    """The rows of ``chunks``, in order, as bf16 bit patterns (one array per chunk, no join:
+    the protocol writes the pieces one after another)."""
+    return [_bits(c.wait()) for c in chunks]
+
+
+def _bits(rows: torch.Tensor) -> np.ndarray:
+    if rows.dtype == torch.bfloat16:
+        return np.ascontiguousarray(rows.view(torch.int16).numpy().view(np.uint16))
+    return f32_to_bf16_bits(rows.numpy().astype(np.float32, copy=False))
+
+
+def f32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
+    """bf16 bits of float32 ``values`` rounded to nearest even, NaN kept NaN (as torch converts)."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    rounded[np.isnan(values)] = 0x7FC0
+    return rounded
 
 
 @dataclass
@@ -89,11 +107,6 @@ class ErrorJob:
     message: str
 
 
-@dataclass
-class _Stop:
-    done: threading.Event = field(default_factory=threading.Event)
-
-
 def job_rid(job: DumpJob | ErrorJob) -> str:
     return job.rid if isinstance(job, ErrorJob) else job.meta.rid
 
@@ -112,50 +125,70 @@ def run_job(dump_dir: Path, job: DumpJob | ErrorJob) -> Path:
 
 
 class DumpWriter:
-    """A background thread writing jobs from a bounded queue.
+    """Writer threads taking jobs from one bounded queue.
 
     A full queue blocks :meth:`submit`: the scheduler slows down rather than holding an
-    unbounded number of requests' hidden states in host memory.
+    unbounded number of requests' hidden states in host memory. Each job is one rid's whole
+    file, so jobs need no order among themselves.
     """
 
-    def __init__(self, dump_dir: str | Path, max_queue: int = DEFAULT_QUEUE_SIZE) -> None:
+    def __init__(
+        self, dump_dir: str | Path, max_queue: int = DEFAULT_QUEUE_SIZE, threads: int = DEFAULT_WRITER_THREADS
+    ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
         self.dump_dir = Path(dump_dir)
         self.dump_dir.mkdir(parents=True, exist_ok=True)
-        self._queue: queue.Queue[DumpJob | ErrorJob | _Stop] = queue.Queue(maxsize=max_queue)
-        self._thread = threading.Thread(target=self._loop, name="hsx-dump-writer", daemon=True)
-        self._thread.start()
+        self._queue: queue.Queue[tuple[int, DumpJob | ErrorJob]] = queue.Queue(maxsize=max_queue)
+        self._state = threading.Condition()
+        self._submitted = 0
+        self._unfinished: set[int] = set()  # sequence numbers submitted and not yet written
         self.written = 0
         self.failed = 0
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"hsx-dump-writer-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, job: DumpJob | ErrorJob) -> None:
-        if not self._thread.is_alive():
-            raise RuntimeError("hsx dump writer thread is not running")
+        if not any(t.is_alive() for t in self._threads):
+            raise RuntimeError("hsx dump writer threads are not running")
+        with self._state:
+            self._submitted += 1
+            seq = self._submitted
+            self._unfinished.add(seq)
         try:
-            self._queue.put_nowait(job)
+            self._queue.put_nowait((seq, job))
         except queue.Full:
             log.warning(
-                "hsx: dump queue full (%d jobs); the scheduler waits for the writer", self._queue.maxsize
+                "hsx: dump queue full (%d jobs); the scheduler waits for the writers", self._queue.maxsize
             )
-            self._queue.put(job)
+            self._queue.put((seq, job))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every job submitted so far is written; False on timeout."""
-        stop = _Stop()
-        self._queue.put(stop)
-        return stop.done.wait(timeout)
+        with self._state:
+            last = self._submitted
+            return self._state.wait_for(lambda: not any(s <= last for s in self._unfinished), timeout)
 
     def _loop(self) -> None:
         while True:
-            job = self._queue.get()
-            if isinstance(job, _Stop):
-                job.done.set()
-                continue
+            seq, job = self._queue.get()
+            ok = True
             try:
                 run_job(self.dump_dir, job)
-                self.written += 1
             except Exception:
                 # Even the error marker failed (disk full, directory gone): log and go on.
-                self.failed += 1
+                ok = False
                 log.exception("hsx: could not write anything for %s", job_rid(job))
+            with self._state:
+                self._unfinished.discard(seq)
+                if ok:
+                    self.written += 1
+                else:
+                    self.failed += 1
+                self._state.notify_all()
