@@ -407,3 +407,38 @@ def test_deeply_nested_rows_are_judged_not_crashed(tokenizer: ChatTokenizer) -> 
         b'{"id": "b", "messages": ' + good[:-1] + b', {"role": "user", "content": "x", "name": ' + deep + b"}]}",
     ):
         assert isinstance(outcome(raw, tokenizer), Rejected)
+
+
+def test_a_huge_row_is_refused_before_it_is_parsed(tokenizer: ChatTokenizer) -> None:
+    import tracemalloc
+
+    from hsx_extractor.run.dataset import row_bytes_limit
+    from hsx_extractor.run.sources import SourceRow
+
+    text = "word " * 6_600_000  # a 33 MB row: parsing and tokenizing it took GiBs
+    huge = json.dumps({"id": "huge", "messages": [{"role": "user", "content": text},
+                                                  {"role": "assistant", "content": "ok"}]}).encode()  # fmt: skip
+    tracemalloc.start()
+    try:
+        (got,) = read_samples([SourceRow(3, huge)], tokenizer, max_length=512)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(got, Rejected) and got.reason == Reason.TOO_LONG and got.line == 3
+    assert f"row is {len(huge)} bytes" in got.detail and "not parsed" in got.detail
+    assert peak < len(huge) // 4  # nothing the size of the row was built
+    # Up to the limit a row is parsed and judged by its tokens.
+    padded = json.dumps({"id": "p", "messages": json.loads(GOOD)["messages"], "pad": "x" * 4000}).encode()
+    assert len(padded) < row_bytes_limit(512)
+    (kept,) = read_samples([SourceRow(4, padded)], tokenizer, max_length=512)
+    assert isinstance(kept, Prepared)
+
+
+def test_a_long_sample_id_is_a_bad_row_not_a_huge_shard_header(tokenizer: ChatTokenizer) -> None:
+    from hsx_extractor.run.dataset import MAX_ID_CHARS
+
+    messages = json.loads(GOOD)["messages"]
+    long_id = json.dumps({"id": "i" * 8_000_000, "messages": messages}).encode()
+    assert reason_of(long_id, tokenizer) == Reason.INVALID_ROW
+    longest = json.dumps({"id": "i" * MAX_ID_CHARS, "messages": messages}).encode()
+    assert isinstance(outcome(longest, tokenizer), Prepared)

@@ -38,6 +38,17 @@ SHAREGPT_ROLES = {
 }
 # Message fields passed to the chat template; others are dropped.
 OPTIONAL_FIELDS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
+# Sample ids travel in every shard header and commit record: a long one is a bad row, not a 100 MB header.
+MAX_ID_CHARS = 512
+# A row is refused unparsed past this many bytes per token of dataset.maxLength (JSON escapes and
+# long tokens stay far below it): parsing and tokenizing a 33 MB row first took 7.6 GiB.
+ROW_BYTES_PER_TOKEN = 256
+MIN_ROW_BYTES_LIMIT = 1 << 20
+
+
+def row_bytes_limit(max_length: int) -> int:
+    """Bytes a raw row may have before it is quarantined as too long without being parsed."""
+    return max(MIN_ROW_BYTES_LIMIT, ROW_BYTES_PER_TOKEN * max_length)
 RowFormat = Literal["auto", "messages", "tokens"]
 
 
@@ -306,6 +317,9 @@ def parse_row(
     sample_id = _sample_id(row, index)
     if sample_id is None:
         return Rejected(index, None, Reason.INVALID_ROW, "id is neither a string nor an integer", line)
+    if len(sample_id) > MAX_ID_CHARS:
+        detail = f"id is {len(sample_id)} characters, more than {MAX_ID_CHARS}"
+        return Rejected(index, None, Reason.INVALID_ROW, detail, line)
     kinds = [k for k in ("input_ids", "messages", "conversations") if row.get(k) is not None]
     if len(kinds) > 1:
         detail = f"row has both {kinds[0]} and {kinds[1]}: which one is the sample is ambiguous"
@@ -411,7 +425,14 @@ def read_samples(
         if limit is not None and number >= limit:
             return
         raw, line = (source, None) if isinstance(source, bytes) else (source.data, source.line)
-        row = parse_row(index, raw, fmt, line)
+        if isinstance(raw, bytes) and len(raw) > row_bytes_limit(max_length):
+            detail = (
+                f"row is {len(raw)} bytes, more than {row_bytes_limit(max_length)} "
+                f"({ROW_BYTES_PER_TOKEN} per token of maxLength {max_length}); not parsed"
+            )
+            row: MessagesRow | TokensRow | Rejected = Rejected(index, None, Reason.TOO_LONG, detail, line)
+        else:
+            row = parse_row(index, raw, fmt, line)
         count = sample_count(row, expand)
         if wanted is None or any(wanted(i) for i in range(index, index + count)):
             if isinstance(row, Rejected):
