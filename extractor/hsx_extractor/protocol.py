@@ -126,6 +126,41 @@ def owner_of(rid: str) -> RunKey | None:
         return None
 
 
+class DumpDirError(OSError):
+    """The dump directory cannot be shared by the server and the extractor."""
+
+
+# Both containers of a pod create, rename and delete files here, as different users (the server as
+# the image's root without CAP_DAC_OVERRIDE, the extractor as uid 65532): only mode 777 (no sticky
+# bit) lets each delete the other's files. The directory is on the pod's own tmpfs.
+DUMP_DIR_MODE = 0o777
+
+
+def make_dump_dir(path: str | os.PathLike[str], wait_s: float = 10.0) -> Path:
+    """Create the dump directory (or take the one the other container made) with DUMP_DIR_MODE."""
+    import time
+
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + wait_s
+    while True:
+        st = directory.stat()
+        if st.st_mode & 0o1777 == DUMP_DIR_MODE:
+            return directory
+        try:
+            os.chmod(directory, DUMP_DIR_MODE)  # mkdir's mode was cut by the umask
+            return directory
+        except PermissionError:
+            # The other container made it a moment ago and is about to chmod it.
+            if time.monotonic() > deadline:
+                raise DumpDirError(
+                    f"dump directory {directory} is mode {st.st_mode & 0o7777:o}, owned by uid {st.st_uid}: "
+                    f"the server and the extractor run as different users and both must create and delete "
+                    f"files in it; make it mode {DUMP_DIR_MODE:o}"
+                ) from None
+            time.sleep(0.1)
+
+
 def dump_path(dump_dir: str | os.PathLike[str], rid: str) -> Path:
     return Path(dump_dir) / f"{validate_rid(rid)}{DUMP_SUFFIX}"
 

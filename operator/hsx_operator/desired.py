@@ -148,18 +148,28 @@ def server_argv(spec: ExtractionJobSpec) -> list[str]:
         spec.server.port,
         spec.model.auxLayerIds or None,
         spec.server.extraArgs,
-        host="0.0.0.0",  # the kubelet's probes come to the pod IP; no Service exposes the port
+        # Only the extractor, in the same pod network, may talk to the server: its routes include
+        # admin ones and it takes any prompt. The kubelet probes it from inside (health_probe).
+        host="127.0.0.1",
         dp=spec.server.gpus // tp,
     )
+
+
+def health_probe(port: int) -> dict[str, Any]:
+    """Probe action for a server bound to the pod's 127.0.0.1: an exec in the server container
+    (httpGet would come from the kubelet to the pod IP). Only the standard library of the image's
+    python3, so it runs in any SGLang image."""
+    check = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout=4)"
+    return {"exec": {"command": ["python3", "-c", check]}}
 
 
 def _startup_probe(spec: ExtractionJobSpec) -> dict[str, Any]:
     budget = spec.server.startupTimeoutSeconds
     period = 10 if budget >= 300 else 2
     return {
-        "httpGet": {"path": "/health", "port": spec.server.port},
+        **health_probe(spec.server.port),
         "periodSeconds": period,
-        "timeoutSeconds": min(5, period),
+        "timeoutSeconds": 5,
         "failureThreshold": max(1, math.ceil(budget / period)),
     }
 
@@ -264,13 +274,8 @@ def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None =
             *({"name": k, "value": v} for k, v in server_env(DUMP_DIR).items()),
             *(e.model_dump() for e in spec.server.env),
         ],
-        "ports": [{"name": "server", "containerPort": spec.server.port}],
         "startupProbe": _startup_probe(spec),
-        "readinessProbe": {
-            "httpGet": {"path": "/health", "port": spec.server.port},
-            "periodSeconds": 10,
-            "timeoutSeconds": 5,
-        },
+        "readinessProbe": {**health_probe(spec.server.port), "periodSeconds": 10, "timeoutSeconds": 5},
         "resources": server_resources,
         "volumeMounts": server_mounts,
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},

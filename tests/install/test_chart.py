@@ -239,3 +239,26 @@ def test_notes_tell_the_next_steps() -> None:
     notes = result.stdout.split("NOTES:", 1)[1]
     for step in ("rollout status", "examples/minimal.yaml", "hsx estimate", "runId", "argocd-health.lua"):
         assert step in notes, step
+
+
+def test_network_policy_admits_only_the_operator_to_the_pods_it_makes() -> None:
+    from hsx_operator.desired import Owner, desired_job
+    from tests.operator.helpers import make_spec
+
+    docs = render(VALUE_SETS["namespaced"])
+    policies = find(docs, "NetworkPolicy")
+    assert sorted(p["metadata"]["namespace"] for p in policies) == ["ml", "research"]
+    job = desired_job(Owner(name="xj", namespace="ml", uid="u"), make_spec())
+    pod_labels = job["spec"]["template"]["metadata"]["labels"]
+    operator_pod = find(docs, "Deployment")[0]["spec"]["template"]["metadata"]
+    for policy in policies:
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        assert spec["podSelector"]["matchLabels"].items() <= pod_labels.items()  # selects the run's pods
+        (rule,) = spec["ingress"]
+        (peer,) = rule["from"]
+        assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "hsx-system"}
+        assert peer["podSelector"]["matchLabels"].items() <= operator_pod["labels"].items()
+    # Without watchNamespaces the policy guards the release's namespace; it can be switched off.
+    assert [p["metadata"]["namespace"] for p in find(render(), "NetworkPolicy")] == ["hsx-system"]
+    assert not find(render({"networkPolicy.enabled": "false"}), "NetworkPolicy")

@@ -139,10 +139,10 @@ def reference_server_argv(container: dict, pod: dict) -> list[str]:
     """The sglang image -> hsx's CPU reference server with the same model, port and dump dir."""
     command = list(container["command"])
     env = {e["name"]: e.get("value", "") for e in container.get("env", [])}
-    model, port = _flag(command, "--model-path"), _flag(command, "--port")
-    assert model and port, command
+    model, port, host = _flag(command, "--model-path"), _flag(command, "--port"), _flag(command, "--host")
+    assert model and port and host, command
     argv = [HSX, "serve-reference", "--model", model, "--dump-dir", env["SGLANG_HS_DUMP_DIR"]]
-    argv += ["--host", "0.0.0.0", "--port", port, "--threads", "1"]
+    argv += ["--host", host, "--port", port, "--threads", "1"]
     if "--return-aux-hidden-state-layer-ids" in command:
         start = command.index("--return-aux-hidden-state-layer-ids") + 1
         ids = [x for x in command[start:] if x.isdigit()]

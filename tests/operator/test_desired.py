@@ -69,7 +69,9 @@ def test_server_is_a_native_sidecar_with_the_gpus_and_a_startup_budget() -> None
     assert server["resources"]["limits"]["nvidia.com/gpu"] == "4"
     assert "nvidia.com/gpu" not in str(extractor.get("resources", {}))
     probe = server["startupProbe"]
-    assert probe["httpGet"]["path"] == "/health"
+    # The server listens on 127.0.0.1 only: the kubelet probes it from inside the container.
+    assert probe["exec"]["command"][:2] == ["python3", "-c"] and "127.0.0.1:30000/health" in probe["exec"]["command"][2]
+    assert server["readinessProbe"]["exec"] == probe["exec"] and "ports" not in server
     assert probe["periodSeconds"] * probe["failureThreshold"] >= 900
     assert {"name": "SGLANG_HS_DUMP_DIR", "value": DUMP_DIR} in server["env"]
     assert pod["automountServiceAccountToken"] is False
@@ -121,7 +123,7 @@ def test_server_argv_turns_capture_on_and_prefix_caching_off() -> None:
         )
     )
     joined = " ".join(argv)
-    assert "--model-path /m" in joined and "--tp-size 8" in joined and "--host 0.0.0.0" in joined
+    assert "--model-path /m" in joined and "--tp-size 8" in joined and "--host 127.0.0.1" in joined
     assert "--enable-return-aux-hidden-states" in argv and "--speculative-algorithm EAGLE3" in joined
     assert "--return-aux-hidden-state-layer-ids 1 15 28" in joined
     assert "--disable-radix-cache" in argv and "--chunked-prefill-size -1" in joined

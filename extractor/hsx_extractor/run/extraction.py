@@ -12,12 +12,11 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from hsx_extractor import __version__
+from hsx_extractor import __version__, protocol
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.model import ModelShape, check_vocab, model_fingerprint, model_shape
 from hsx_extractor.protocol import RunKey
@@ -182,7 +181,7 @@ class Extraction:
 
     async def _run_with(self, store: Store, tok: ChatTokenizer) -> RunResult:
         cfg = self.cfg
-        Path(cfg.dumpDir).mkdir(parents=True, exist_ok=True)
+        protocol.make_dump_dir(cfg.dumpDir)
         stale = collect.Collector(cfg.dumpDir, own=self.run_key).sweep()
         if stale:
             print(f"hsx: removed {stale} dumps left by dead processes or runs in {cfg.dumpDir}", flush=True)

@@ -139,8 +139,7 @@ class DumpWriter:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
-        self.dump_dir = Path(dump_dir)
-        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        self.dump_dir = protocol.make_dump_dir(dump_dir)
         self._queue: queue.Queue[tuple[int, DumpJob | ErrorJob]] = queue.Queue(maxsize=max_queue)
         self._state = threading.Condition()
         self._submitted = 0

@@ -25,7 +25,6 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -163,8 +162,7 @@ class ReferenceServer:
         test_hooks: bool = False,
     ) -> None:
         self.model = model
-        self.dump_dir = Path(dump_dir)
-        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        self.dump_dir = protocol.make_dump_dir(dump_dir)
         self.fault = fault or FaultPlan()
         self.delay_s = delay_s
         self.test_hooks = test_hooks
