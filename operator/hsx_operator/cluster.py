@@ -19,6 +19,8 @@ from kubernetes.client.rest import ApiException
 
 from hsx_operator import metrics
 from hsx_operator.desired import EXTRACTOR_CONTAINER, LABEL_XJ, Owner
+from hsx_operator.observe import Refusal
+from hsx_operator.status import Reason
 
 # One poll of an extractor's /progress, all of it (connect, headers, body): a pod can only slow the
 # operator's reconcile by this much. The body is a few hundred bytes; anything past the cap is refused.
@@ -83,8 +85,8 @@ class Cluster:
         )
         return got["items"]  # type: ignore[no-any-return]
 
-    def events_of(self, namespace: str, pod: str) -> list[dict[str, Any]]:
-        selector = f"involvedObject.kind=Pod,involvedObject.name={pod}"
+    def events_of(self, namespace: str, name: str, kind: str = "Pod") -> list[dict[str, Any]]:
+        selector = f"involvedObject.kind={kind},involvedObject.name={name}"
         got = _json(
             self.core.list_namespaced_event(namespace, field_selector=selector, _preload_content=False)
         )
@@ -99,6 +101,37 @@ class Cluster:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+
+def api_message(exc: ApiException) -> str:
+    """The API server's own words from an error answer (its Status message), else the HTTP reason."""
+    try:
+        body = json.loads(exc.body or "")
+    except (TypeError, ValueError):
+        body = None
+    if isinstance(body, dict) and body.get("message"):
+        return str(body["message"])
+    return f"HTTP {exc.status} {exc.reason or ''}".strip()
+
+
+def create_refusal(exc: ApiException, kind: str, name: str) -> Refusal | None:
+    """A 4xx answer to creating the run's Job or ConfigMap as a :class:`Refusal`; None for answers
+    that are not about the object (throttling, authentication): those are retried as errors."""
+    if exc.status is None or not 400 <= exc.status < 500 or exc.status in (401, 408, 409, 429):
+        return None
+    said = api_message(exc)
+    if exc.status in (400, 422):
+        return Refusal(
+            Reason.INVALID_JOB_SPEC,
+            f"the API server rejected {kind} {name} (HTTP {exc.status}): {said}; fix the ExtractionJob's "
+            "spec and change runId to run again",
+            permanent=True,
+        )
+    return Refusal(
+        Reason.JOB_CREATE_REFUSED,
+        f"the API server refused to create {kind} {name} (HTTP {exc.status}): {said}; retrying",
+        permanent=False,
+    )
 
 
 def fetch_progress(

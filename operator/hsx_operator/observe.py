@@ -22,6 +22,7 @@ from hsx_operator.pods import (
     exit_summary,
     is_active,
     job_condition,
+    job_problem,
     pod_problem,
     pod_scheduled,
     replica_index,
@@ -72,6 +73,18 @@ class EventNote:
     type: str  # Normal or Warning
     reason: str
     message: str
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The run's Job was not created: the API server refused it, or the spec cannot make one.
+
+    ``permanent`` refusals (an invalid spec, a Job the API server calls invalid) fail the run;
+    the others (a quota on Jobs, a webhook that is down) leave it Pending and stalled, retried."""
+
+    reason: str
+    message: str
+    permanent: bool
 
 
 @dataclass
@@ -181,7 +194,7 @@ def _set(status: ExtractionJobStatus, phase: Phase, reason: str, message: str) -
     status.phase, status.reason, status.message = phase, reason, message
 
 
-def _without_job(status: ExtractionJobStatus, now: datetime) -> None:
+def _without_job(status: ExtractionJobStatus, now: datetime, refusal: Refusal | None) -> _Seen:
     if status.startTime is not None:
         # It existed for this run and is gone before its end was seen: never start it again.
         _set(
@@ -191,8 +204,15 @@ def _without_job(status: ExtractionJobStatus, now: datetime) -> None:
             f"Job {status.jobName} was deleted before the run ended; change runId to run again",
         )
         status.completionTime = rfc3339(now)
+    elif refusal is not None and refusal.permanent:
+        _set(status, Phase.FAILED, refusal.reason, refusal.message[:32768])
+        status.completionTime = rfc3339(now)
+    elif refusal is not None:
+        _set(status, Phase.PENDING, refusal.reason, refusal.message[:32768])
+        return _Seen(stalled=True)
     else:
         _set(status, Phase.PENDING, Reason.JOB_PENDING, f"creating Job {status.jobName}")
+    return _Seen()
 
 
 def _completed(
@@ -230,14 +250,19 @@ def _suspended(status: ExtractionJobStatus, spec: ExtractionJobSpec) -> None:
 
 def _active(
     status: ExtractionJobStatus,
+    job: Mapping[str, Any],
     pods: Sequence[Mapping[str, Any]],
     events: Mapping[str, Sequence[Mapping[str, Any]]],
+    job_events: Sequence[Mapping[str, Any]],
     now: datetime,
 ) -> _Seen:
     """A run whose Job neither ended nor is suspended: pods pending, servers starting, or extracting."""
     seen = _Seen()
     active = [p for p in pods if is_active(p)]
     problems = [p for p in (pod_problem(pod, events.get(pod["metadata"]["name"], [])) for pod in active) if p]
+    uncreated = job_problem(job, job_events, active)
+    if uncreated:
+        problems.insert(0, uncreated)
     ready = [p for p in active if server_ready(p)]
     seen.all_ready = bool(active) and len(ready) == len(active)
     if problems:
@@ -249,7 +274,8 @@ def _active(
         _set(status, Phase.PENDING, Reason.PODS_PENDING, "waiting for the Job to create pods")
     elif seen.all_ready:
         p = aggregate(status.replicas, True, None)
-        message = f"{len(active)} server(s) ready; {p.samplesDone}/{p.samplesTotal} samples"
+        done = f"{p.samplesDone}/{p.samplesTotal} samples" if p.samplesTotal else "planning the run"
+        message = f"{len(active)} server(s) ready; {done}"
         _set(status, Phase.RUNNING, Reason.EXTRACTING, message)
         status.serverReadyTime = status.serverReadyTime or rfc3339(now)
     else:
@@ -288,6 +314,7 @@ def _with_job(
     job: Mapping[str, Any],
     pods: Sequence[Mapping[str, Any]],
     events: Mapping[str, Sequence[Mapping[str, Any]]],
+    job_events: Sequence[Mapping[str, Any]],
     now: datetime,
 ) -> _Seen:
     jst = job.get("status", {})
@@ -302,7 +329,7 @@ def _with_job(
     elif job.get("spec", {}).get("suspend"):
         _suspended(status, spec)
     else:
-        seen = _active(status, pods, events, now)
+        seen = _active(status, job, pods, events, job_events, now)
         seen.stop = _past_startup_deadline(status, spec, now)
         return seen
     return _Seen()
@@ -334,8 +361,11 @@ def observe(
     events: Mapping[str, Sequence[Mapping[str, Any]]],
     progress: Mapping[str, Mapping[str, Any]],
     now: datetime,
+    job_events: Sequence[Mapping[str, Any]] = (),
+    refusal: Refusal | None = None,
 ) -> Outcome:
-    """The status of the current run. ``events`` and ``progress`` are keyed by pod name."""
+    """The status of the current run. ``events`` and ``progress`` are keyed by pod name;
+    ``job_events`` are the Job's own; ``refusal`` says why the run's Job could not be created."""
     base = start_run(prior, spec, xj_name)
     new_run = base is not prior
     notes: list[EventNote] = []
@@ -360,10 +390,9 @@ def observe(
     if progress:
         status.progress.lastUpdateTime = rfc3339(now)
     if job is None:
-        _without_job(status, now)
-        seen = _Seen()
+        seen = _without_job(status, now, refusal)
     else:
-        seen = _with_job(status, spec, job, pods, events, now)
+        seen = _with_job(status, spec, job, pods, events, job_events, now)
 
     terminal = status.phase in TERMINAL_PHASES
     status.progress = aggregate(

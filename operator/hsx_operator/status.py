@@ -44,6 +44,12 @@ class Reason(StrEnum):
     SUSPENDED = "Suspended"
     QUEUED = "Queued"
     INVALID_SPEC = "InvalidSpec"
+    # The API server refused the run's Job (or its ConfigMap) as invalid: a 400 or 422 answer.
+    INVALID_JOB_SPEC = "InvalidJobSpec"
+    # The API server refused to create the run's Job for another reason (a quota on Jobs, a webhook).
+    JOB_CREATE_REFUSED = "JobCreateRefused"
+    # The Job controller cannot create pods (FailedCreate on the Job: ResourceQuota, PodSecurity, ...).
+    FAILED_CREATE = "FailedCreate"
 
 
 class _Status(BaseModel):
