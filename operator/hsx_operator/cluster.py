@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -20,7 +21,13 @@ from kubernetes.client.rest import ApiException
 from hsx_operator import metrics
 from hsx_operator.desired import EXTRACTOR_CONTAINER, LABEL_XJ, Owner
 from hsx_operator.observe import Refusal
+from hsx_operator.pods import KueueView
 from hsx_operator.status import Reason
+
+KUEUE_GROUP = "kueue.x-k8s.io"
+# Kueue labels each Workload with the uid of the Job it stands for.
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+log = logging.getLogger("hsx_operator")
 
 # One poll of an extractor's /progress, all of it (connect, headers, body): a pod can only slow the
 # operator's reconcile by this much. The body is a few hundred bytes; anything past the cap is refused.
@@ -91,6 +98,32 @@ class Cluster:
             self.core.list_namespaced_event(namespace, field_selector=selector, _preload_content=False)
         )
         return sorted(got["items"], key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+
+    def kueue_view(self, namespace: str, job_uid: str) -> KueueView:
+        """Whether the cluster serves Kueue's API and, if so, the Job's Workloads (by Kueue's job-uid
+        label, in the group's preferred version). Workloads the operator may not read are None."""
+        groups = _json(kubernetes.client.ApisApi().get_api_versions(_preload_content=False))
+        group = next((g for g in groups.get("groups") or [] if g.get("name") == KUEUE_GROUP), None)
+        if group is None:
+            return KueueView(served=False)
+        version = group["preferredVersion"]["version"]
+        try:
+            got = _json(
+                kubernetes.client.CustomObjectsApi().list_namespaced_custom_object(
+                    KUEUE_GROUP,
+                    version,
+                    namespace,
+                    "workloads",
+                    label_selector=f"{KUEUE_JOB_UID_LABEL}={job_uid}",
+                    _preload_content=False,
+                )
+            )
+        except ApiException as exc:
+            if exc.status not in (403, 404):
+                raise
+            log.warning("cannot list Kueue Workloads in %s: %s", namespace, api_message(exc))
+            return KueueView(served=True, workloads=None)
+        return KueueView(served=True, workloads=tuple(got.get("items") or []))
 
     def patch_job(self, namespace: str, name: str, body: dict[str, Any]) -> None:
         self.batch.patch_namespaced_job(name, namespace, body)

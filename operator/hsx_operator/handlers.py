@@ -25,6 +25,7 @@ from hsx_operator import metrics
 from hsx_operator.api import GROUP, PLURAL, VERSION, ExtractionJobSpec
 from hsx_operator.cluster import Cluster, create_refusal, poll_progress
 from hsx_operator.desired import (
+    LABEL_QUEUE,
     LABEL_RUN,
     MANAGER,
     Owner,
@@ -182,6 +183,14 @@ def _reconcile(
     live = watching and job is not None and not job_finished(job)
     job_events = cluster.events_of(namespace, current, "Job") if live else []
     polled = [p for p in pods if live]
+    waits_for_kueue = (
+        live
+        and job is not None
+        and not xj.suspend
+        and bool(job["spec"].get("suspend"))
+        and bool((job["metadata"].get("labels") or {}).get(LABEL_QUEUE))
+    )
+    kueue = cluster.kueue_view(namespace, job["metadata"]["uid"]) if waits_for_kueue and job else None
     with ThreadPoolExecutor(max_workers=8) as pool:
         reports = dict(
             zip(
@@ -202,6 +211,7 @@ def _reconcile(
         now=now,
         job_events=job_events,
         refusal=refusal,
+        kueue=kueue,
     )
     if outcome.stop_job and job is not None:
         _stop(cluster, namespace, current)

@@ -17,8 +17,9 @@ from typing import Any
 from hsx_extractor.contract import PROGRESS_COUNTERS, PROGRESS_RATES, ProgressReport
 from hsx_operator.api import ExtractionJobSpec
 from hsx_operator.conditions import conditions_for, rfc3339
-from hsx_operator.desired import job_name, manifest_uri, output_prefix
+from hsx_operator.desired import LABEL_QUEUE, job_name, manifest_uri, output_prefix
 from hsx_operator.pods import (
+    KueueView,
     exit_summary,
     is_active,
     job_condition,
@@ -29,6 +30,7 @@ from hsx_operator.pods import (
     report_from,
     server_ready,
     terminated_progress,
+    workload_state,
 )
 from hsx_operator.status import (
     TERMINAL_PHASES,
@@ -238,14 +240,49 @@ def _failed(
     status.completionTime = rfc3339(now)
 
 
-def _suspended(status: ExtractionJobStatus, spec: ExtractionJobSpec) -> None:
+def _suspended(
+    status: ExtractionJobStatus, spec: ExtractionJobSpec, job: Mapping[str, Any], kueue: KueueView | None
+) -> bool:
+    """A suspended Job: by spec.suspend, or held by Kueue (only when Kueue really has it). Stalled?"""
+    name = job.get("metadata", {}).get("name", status.jobName)
+    queue = (job.get("metadata", {}).get("labels") or {}).get(LABEL_QUEUE)
     if spec.suspend:
         _set(
             status, Phase.SUSPENDED, Reason.SUSPENDED, "suspended by spec.suspend; committed shards are kept"
         )
+    elif not queue:
+        _set(
+            status,
+            Phase.SUSPENDED,
+            Reason.JOB_SUSPENDED,
+            f"Job {name} is suspended though spec.suspend is false and it names no Kueue queue; resuming it",
+        )
+    elif kueue is None or not kueue.served:
+        _set(
+            status,
+            Phase.SUSPENDED,
+            Reason.KUEUE_NOT_INSTALLED,
+            f"Job {name} waits for Kueue to admit it (queue {queue}), but this cluster does not serve Kueue's "
+            "API (kueue.x-k8s.io): install Kueue, or run without scheduling.queueName under a new runId",
+        )
+        return True
+    elif kueue.workloads is not None and not kueue.workloads:
+        _set(
+            status,
+            Phase.SUSPENDED,
+            Reason.WAITING_FOR_WORKLOAD,
+            f"Job {name} waits for Kueue to create its Workload (queue {queue}); if this lasts, Kueue does not "
+            "manage this namespace or Jobs",
+        )
     else:
-        queue = spec.scheduling.queueName
-        _set(status, Phase.SUSPENDED, Reason.QUEUED, f"waiting for Kueue to admit the Job (queue {queue})")
+        said = workload_state(kueue.workloads or ())
+        _set(
+            status,
+            Phase.SUSPENDED,
+            Reason.QUEUED,
+            f"Kueue holds Job {name} in queue {queue}" + (f"; {said}" if said else ""),
+        )
+    return False
 
 
 def _active(
@@ -315,6 +352,7 @@ def _with_job(
     pods: Sequence[Mapping[str, Any]],
     events: Mapping[str, Sequence[Mapping[str, Any]]],
     job_events: Sequence[Mapping[str, Any]],
+    kueue: KueueView | None,
     now: datetime,
 ) -> _Seen:
     jst = job.get("status", {})
@@ -327,7 +365,7 @@ def _with_job(
     elif failed:
         _failed(status, failed, failures, pods, now)
     elif job.get("spec", {}).get("suspend"):
-        _suspended(status, spec)
+        return _Seen(stalled=_suspended(status, spec, job, kueue))
     else:
         seen = _active(status, job, pods, events, job_events, now)
         seen.stop = _past_startup_deadline(status, spec, now)
@@ -363,9 +401,11 @@ def observe(
     now: datetime,
     job_events: Sequence[Mapping[str, Any]] = (),
     refusal: Refusal | None = None,
+    kueue: KueueView | None = None,
 ) -> Outcome:
     """The status of the current run. ``events`` and ``progress`` are keyed by pod name;
-    ``job_events`` are the Job's own; ``refusal`` says why the run's Job could not be created."""
+    ``job_events`` are the Job's own; ``refusal`` says why the run's Job could not be created;
+    ``kueue`` is what the cluster says of Kueue when the Job waits for it (None: Kueue not served)."""
     base = start_run(prior, spec, xj_name)
     new_run = base is not prior
     notes: list[EventNote] = []
@@ -392,7 +432,7 @@ def observe(
     if job is None:
         seen = _without_job(status, now, refusal)
     else:
-        seen = _with_job(status, spec, job, pods, events, job_events, now)
+        seen = _with_job(status, spec, job, pods, events, job_events, kueue, now)
 
     terminal = status.phase in TERMINAL_PHASES
     status.progress = aggregate(

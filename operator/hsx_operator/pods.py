@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -162,6 +163,26 @@ def job_problem(
         name = job.get("metadata", {}).get("name", "?")
         return Reason.FAILED_CREATE, f"Job {name} cannot create its pods: {ev.get('message', '')}".strip()
     return None
+
+
+@dataclass(frozen=True)
+class KueueView:
+    """What the cluster says of Kueue for a suspended, queued Job."""
+
+    served: bool  # the cluster serves Kueue's API (kueue.x-k8s.io)
+    workloads: tuple[Mapping[str, Any], ...] | None = ()  # the Job's Workloads; None when unreadable
+
+
+def workload_state(workloads: Sequence[Mapping[str, Any]]) -> str:
+    """Kueue's own words on the Job's Workload: evicted, admitted, or why quota is not reserved yet."""
+    for wl in workloads:
+        conds = {c.get("type"): c for c in wl.get("status", {}).get("conditions") or []}
+        for type_, status in (("Evicted", "True"), ("Admitted", "True"), ("QuotaReserved", "False")):
+            c = conds.get(type_)
+            if c is not None and c.get("status") == status:
+                text = c.get("message") or c.get("reason") or ""
+                return f"Workload {wl.get('metadata', {}).get('name', '?')} {type_.lower()}: {text}".strip()
+    return ""
 
 
 def terminated_progress(pod: Mapping[str, Any]) -> ProgressReport | None:

@@ -5,6 +5,7 @@ and nothing is retried behind a blank status."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -98,3 +99,72 @@ def test_quota_and_a_missing_secret_stall_the_run_with_the_real_message(
     )
     assert missing["phase"] in ("Pending", "Starting") and "absent-creds" in missing["message"], missing
     assert conditions(missing)["Stalled"] == "True"
+
+
+WORKLOAD_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "workloads.kueue.x-k8s.io"},
+    "spec": {
+        "group": "kueue.x-k8s.io",
+        "scope": "Namespaced",
+        "names": {
+            "kind": "Workload",
+            "plural": "workloads",
+            "singular": "workload",
+            "listKind": "WorkloadList",
+        },
+        "versions": [
+            {
+                "name": "v1beta2",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                },
+            }
+        ],
+    },
+}
+
+
+def test_queued_only_when_kueue_holds_the_job(
+    ns: Namespace, run_env: dict[str, Any], start_operator: Callable[[], OperatorProcess]
+) -> None:
+    """Without Kueue a queueName run says Kueue is missing; with Kueue's API (here only its Workload
+    CRD, standing in for its controller) and a Workload for the Job, it is Queued with Kueue's words."""
+    start_operator()
+    ns.apply(xj_manifest("queued", "r1", **run_env, scheduling={"queueName": "team-a"}))
+    missing = wait_for(reason_is(ns, "queued", "KueueNotInstalled"), 60, "KueueNotInstalled")
+    assert missing["phase"] == "Suspended" and "install Kueue" in missing["message"], missing
+    assert conditions(missing)["Stalled"] == "True"
+    job = ns.get("job", "queued-r1")
+    assert job is not None and job["spec"]["suspend"] is True and not ns.pods_of("queued-r1")
+
+    crd = json.dumps(WORKLOAD_CRD)
+    ns.cluster.kubectl("apply", "-f", "-", input=crd)
+    try:
+        ns.cluster.wait_crd_established("workloads.kueue.x-k8s.io")
+        wait_for(reason_is(ns, "queued", "WaitingForWorkload"), 60, "WaitingForWorkload")
+        message = "couldn't assign flavors to pod set main: insufficient quota for nvidia.com/gpu"
+        ns.apply(
+            {
+                "apiVersion": "kueue.x-k8s.io/v1beta2",
+                "kind": "Workload",
+                "metadata": {
+                    "name": "job-queued-r1-abcde",
+                    "labels": {"kueue.x-k8s.io/job-uid": job["metadata"]["uid"]},
+                },
+                "spec": {"queueName": "team-a"},
+                "status": {
+                    "conditions": [
+                        {"type": "QuotaReserved", "status": "False", "reason": "Pending", "message": message}
+                    ]
+                },
+            }
+        )
+        queued = wait_for(reason_is(ns, "queued", "Queued"), 60, "Queued")
+        assert message in queued["message"] and "queue team-a" in queued["message"], queued
+        assert queued["phase"] == "Suspended" and conditions(queued)["Stalled"] == "False"
+    finally:
+        ns.cluster.kubectl("delete", "crd", "workloads.kueue.x-k8s.io", "--ignore-not-found", "--wait=true")

@@ -39,6 +39,12 @@ class FakeCluster:
         self.calls.append(f"events {kind}")
         return []
 
+    def kueue_view(self, namespace: str, job_uid: str) -> Any:
+        from hsx_operator.pods import KueueView
+
+        self.calls.append("kueue")
+        return KueueView(served=False)
+
     def patch_job(self, *args: Any) -> None:
         self.calls.append("patch")
 
@@ -129,3 +135,19 @@ def test_extra_args_the_launcher_refuses_fail_the_run_without_a_job(
     st = reconcile(monkeypatch, cluster, spec, {})["status"]
     assert (st["phase"], st["reason"]) == ("Failed", "InvalidSpec")
     assert "--tp-siz (--tp-size)" in st["message"] and cluster.calls == []
+
+
+def test_a_queued_job_asks_whether_kueue_holds_it(
+    monkeypatch: pytest.MonkeyPatch, world: dict[str, Any]
+) -> None:
+    job = owned(job_json(suspend=True))
+    job["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+    job["metadata"]["uid"] = "job-uid"
+    pending = ExtractionJobStatus(
+        phase="Pending", observedRunId="r1", jobName="xj-r1", startTime="2026-12-02T10:00:00Z"
+    )
+    cluster = FakeCluster([job])
+    spec = spec_dict(scheduling={"queueName": "team-a"})
+    st = reconcile(monkeypatch, cluster, spec, pending.model_dump(mode="json"))["status"]
+    assert "kueue" in cluster.calls
+    assert (st["phase"], st["reason"]) == ("Suspended", "KueueNotInstalled")
