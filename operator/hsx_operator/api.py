@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from hsx_extractor.config import RUN_ID_PATTERN, DatasetSpec, ExtractConfig, OutputSpec, ValidationSpec
-from hsx_extractor.sglang_hook.launch import OWNED_FLAGS
+from hsx_extractor.sglang_hook.launch import MIN_ABBREV, OWNED_FLAGS, REFUSED_FLAGS
 
 GROUP = "hsx.dev"
 VERSION = "v1alpha1"
@@ -107,9 +107,17 @@ class ModelSpec(_Spec):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
-                    "!has(self.source) || self.path.startsWith(self.mountPath)",
-                    "model.path must lie inside model.mountPath when model.source is set",
-                )
+                    # Inside means at or below: /models-other is not inside /models.
+                    "!has(self.source) || self.path == self.mountPath || self.path.startsWith("
+                    "self.mountPath.endsWith('/') ? self.mountPath : self.mountPath + '/')",
+                    "model.path must lie inside model.mountPath when model.source is set (at or below it: "
+                    "/models-other is not inside /models)",
+                ),
+                cel(
+                    "!has(self.auxLayerIds) || "
+                    "self.auxLayerIds.all(x, self.auxLayerIds.filter(y, y == x).size() == 1)",
+                    "model.auxLayerIds must be distinct: list each layer once",
+                ),
             ]
         }
     )
@@ -168,7 +176,15 @@ class Resources(_Spec):
     )
 
 
-_OWNED_FLAGS_CEL = "[" + ", ".join(f"'{f}'" for f in sorted(OWNED_FLAGS)) + "]"
+_GUARDED_FLAGS = sorted(OWNED_FLAGS | REFUSED_FLAGS)
+_GUARDED_FLAGS_CEL = "[" + ", ".join(f"'{f}'" for f in _GUARDED_FLAGS) + "]"
+# launch.refused_extra_arg in CEL: a flag name (before any '=') that is a guarded flag or an argparse
+# abbreviation of one (a prefix of it).
+_ARG_NAME_CEL = "(a.indexOf('=') >= 0 ? a.substring(0, a.indexOf('=')) : a)"
+_EXTRA_ARGS_RULE = (
+    "!has(self.extraArgs) || self.extraArgs.all(a, !a.startsWith('--') || "
+    f"size({_ARG_NAME_CEL}) < {MIN_ABBREV} || !{_GUARDED_FLAGS_CEL}.exists(f, f.startsWith({_ARG_NAME_CEL})))"
+)
 
 
 class ServerSpec(_Spec):
@@ -187,12 +203,18 @@ class ServerSpec(_Spec):
                     "set server.gpus instead of nvidia.com/gpu in server.resources",
                 ),
                 cel(
-                    "!has(self.extraArgs) || self.extraArgs.all(a, !("
-                    + _OWNED_FLAGS_CEL
-                    + ").exists(f, a == f || a.startsWith(f + '=')))",
+                    _EXTRA_ARGS_RULE,
                     "server.extraArgs may not set flags extraction mode owns ("
                     + ", ".join(sorted(OWNED_FLAGS))
-                    + "); use model, server.gpus, server.tensorParallel and server.port instead",
+                    + ") nor any abbreviation of them (SGLang reads --tp-siz as --tp-size), nor --config (a "
+                    "file of arguments); use model, server.gpus, server.tensorParallel and server.port instead",
+                ),
+                cel(
+                    "!has(self.resources) || !('memory' in self.resources.?limits.orValue({})) || "
+                    "!isQuantity(self.resources.limits['memory']) || !isQuantity(self.shmSize) || "
+                    "quantity(self.resources.limits['memory']).compareTo(quantity(self.shmSize)) > 0",
+                    "server.resources.limits.memory must be larger than server.shmSize: the dumps and NCCL "
+                    "buffers in /dev/shm count against the server's memory limit",
                 ),
                 cel(
                     "!has(self.env) || self.env.all(e, e.name != 'SGLANG_HS_DUMP_DIR')",
@@ -375,6 +397,16 @@ class ExtractionJobSpec(_Spec):
                 cel(
                     "self.runId != 'manifest'",
                     "runId 'manifest' is reserved",
+                ),
+                cel(
+                    "self.server.port != self.extractor.progressPort",
+                    "server.port and extractor.progressPort must differ: both listen in the same pod",
+                ),
+                cel(
+                    "!isQuantity(self.server.shmSize) || "
+                    "quantity(self.server.shmSize).asApproximateFloat() > double(self.extractor.dumpDirMaxBytes)",
+                    "extractor.dumpDirMaxBytes must be smaller than server.shmSize: the waiting dumps live in "
+                    "/dev/shm next to NCCL's buffers (for example shmSize 48Gi with dumpDirMaxBytes 32Gi)",
                 ),
             ]
         }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -19,6 +20,14 @@ from kubernetes.client.rest import ApiException
 
 from hsx_operator import metrics
 from hsx_operator.desired import EXTRACTOR_CONTAINER, LABEL_XJ, Owner
+from hsx_operator.observe import Refusal
+from hsx_operator.pods import KueueView
+from hsx_operator.status import Reason
+
+KUEUE_GROUP = "kueue.x-k8s.io"
+# Kueue labels each Workload with the uid of the Job it stands for.
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+log = logging.getLogger("hsx_operator")
 
 # One poll of an extractor's /progress, all of it (connect, headers, body): a pod can only slow the
 # operator's reconcile by this much. The body is a few hundred bytes; anything past the cap is refused.
@@ -83,12 +92,38 @@ class Cluster:
         )
         return got["items"]  # type: ignore[no-any-return]
 
-    def events_of(self, namespace: str, pod: str) -> list[dict[str, Any]]:
-        selector = f"involvedObject.kind=Pod,involvedObject.name={pod}"
+    def events_of(self, namespace: str, name: str, kind: str = "Pod") -> list[dict[str, Any]]:
+        selector = f"involvedObject.kind={kind},involvedObject.name={name}"
         got = _json(
             self.core.list_namespaced_event(namespace, field_selector=selector, _preload_content=False)
         )
         return sorted(got["items"], key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+
+    def kueue_view(self, namespace: str, job_uid: str) -> KueueView:
+        """Whether the cluster serves Kueue's API and, if so, the Job's Workloads (by Kueue's job-uid
+        label, in the group's preferred version). Workloads the operator may not read are None."""
+        groups = _json(kubernetes.client.ApisApi().get_api_versions(_preload_content=False))
+        group = next((g for g in groups.get("groups") or [] if g.get("name") == KUEUE_GROUP), None)
+        if group is None:
+            return KueueView(served=False)
+        version = group["preferredVersion"]["version"]
+        try:
+            got = _json(
+                kubernetes.client.CustomObjectsApi().list_namespaced_custom_object(
+                    KUEUE_GROUP,
+                    version,
+                    namespace,
+                    "workloads",
+                    label_selector=f"{KUEUE_JOB_UID_LABEL}={job_uid}",
+                    _preload_content=False,
+                )
+            )
+        except ApiException as exc:
+            if exc.status not in (403, 404):
+                raise
+            log.warning("cannot list Kueue Workloads in %s: %s", namespace, api_message(exc))
+            return KueueView(served=True, workloads=None)
+        return KueueView(served=True, workloads=tuple(got.get("items") or []))
 
     def patch_job(self, namespace: str, name: str, body: dict[str, Any]) -> None:
         self.batch.patch_namespaced_job(name, namespace, body)
@@ -99,6 +134,37 @@ class Cluster:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+
+def api_message(exc: ApiException) -> str:
+    """The API server's own words from an error answer (its Status message), else the HTTP reason."""
+    try:
+        body = json.loads(exc.body or "")
+    except (TypeError, ValueError):
+        body = None
+    if isinstance(body, dict) and body.get("message"):
+        return str(body["message"])
+    return f"HTTP {exc.status} {exc.reason or ''}".strip()
+
+
+def create_refusal(exc: ApiException, kind: str, name: str) -> Refusal | None:
+    """A 4xx answer to creating the run's Job or ConfigMap as a :class:`Refusal`; None for answers
+    that are not about the object (throttling, authentication): those are retried as errors."""
+    if exc.status is None or not 400 <= exc.status < 500 or exc.status in (401, 408, 409, 429):
+        return None
+    said = api_message(exc)
+    if exc.status in (400, 422):
+        return Refusal(
+            Reason.INVALID_JOB_SPEC,
+            f"the API server rejected {kind} {name} (HTTP {exc.status}): {said}; fix the ExtractionJob's "
+            "spec and change runId to run again",
+            permanent=True,
+        )
+    return Refusal(
+        Reason.JOB_CREATE_REFUSED,
+        f"the API server refused to create {kind} {name} (HTTP {exc.status}): {said}; retrying",
+        permanent=False,
+    )
 
 
 def fetch_progress(

@@ -100,6 +100,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "description": "Phase of the current run.",
     },
     {
+        # Shown by default: Pending alone does not say whether the run waits for a GPU or can never start.
+        "name": "Reason",
+        "type": "string",
+        "jsonPath": ".status.reason",
+        "description": "Why the run is in its phase.",
+    },
+    {
         "name": "Progress",
         "type": "integer",
         "jsonPath": ".status.progress.percent",
@@ -137,13 +144,6 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "jsonPath": ".status.attempt",
         "priority": 1,
         "description": "Pod attempt.",
-    },
-    {
-        "name": "Reason",
-        "type": "string",
-        "jsonPath": ".status.reason",
-        "priority": 1,
-        "description": "Why the run is in its phase.",
     },
 ]
 

@@ -23,16 +23,18 @@ from pydantic import ValidationError
 
 from hsx_operator import metrics
 from hsx_operator.api import GROUP, PLURAL, VERSION, ExtractionJobSpec
-from hsx_operator.cluster import Cluster, poll_progress
+from hsx_operator.cluster import Cluster, create_refusal, poll_progress
 from hsx_operator.desired import (
+    LABEL_QUEUE,
     LABEL_RUN,
+    MANAGER,
     Owner,
     desired_config_map,
     desired_job,
     initial_suspend,
     job_name,
 )
-from hsx_operator.observe import needs_job, observe
+from hsx_operator.observe import Refusal, needs_job, observe
 from hsx_operator.pods import job_finished
 from hsx_operator.status import TERMINAL_PHASES, ExtractionJobStatus, Phase, Reason
 
@@ -56,6 +58,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix=GROUP, key="last-handled-configuration"
     )
     settings.posting.level = logging.INFO
+    # Events say they come from hsx-operator (kubectl describe's "From"), not from kopf.
+    settings.posting.reporting_component = MANAGER
+    settings.posting.reporting_instance = os.environ.get("POD_NAME") or os.environ.get("HOSTNAME") or MANAGER
     settings.watching.server_timeout = 120
     try:
         kubernetes.config.load_incluster_config()
@@ -151,11 +156,12 @@ def _reconcile(
         if prior.observedRunId == xj.runId
         else ExtractionJobStatus.model_validate({"observedRunId": xj.runId})
     )
+    refusal: Refusal | None = None
     if needs_job(run_status, job):
-        cluster.create_or_read(owner, desired_config_map(owner, xj), "ConfigMap")
-        job = cluster.create_or_read(owner, desired_job(owner, xj, suspend=initial_suspend(xj)), "Job")
-        metrics.JOBS_CREATED.inc()
-        kopf.info(body, reason="JobCreated", message=f"created Job {current} for run {xj.runId}")
+        job, refusal = _create_run(cluster, owner, xj)
+        if job is not None:
+            metrics.JOBS_CREATED.inc()
+            kopf.info(body, reason="JobCreated", message=f"created Job {current} for run {xj.runId}")
     elif job is not None and not job_finished(job) and run_status.phase not in TERMINAL_PHASES:
         want = True if xj.suspend else (None if xj.scheduling.queueName else False)
         if want is not None and bool(job["spec"].get("suspend")) != want:
@@ -166,17 +172,30 @@ def _reconcile(
                 reason="Suspended" if want else "Resumed",
                 message=f"Job {current} {'suspended' if want else 'resumed'}",
             )
-    pods = cluster.pods_of(namespace, current) if job is not None else []
+    # A finished run's status no longer changes (observe keeps it): read nothing, poll nobody.
+    watching = job is not None and run_status.phase not in TERMINAL_PHASES
+    pods = cluster.pods_of(namespace, current) if watching else []
     events = {
         p["metadata"]["name"]: cluster.events_of(namespace, p["metadata"]["name"])
         for p in pods
         if p["status"].get("phase") == "Pending"
     }
+    live = watching and job is not None and not job_finished(job)
+    job_events = cluster.events_of(namespace, current, "Job") if live else []
+    polled = [p for p in pods if live]
+    waits_for_kueue = (
+        live
+        and job is not None
+        and not xj.suspend
+        and bool(job["spec"].get("suspend"))
+        and bool((job["metadata"].get("labels") or {}).get(LABEL_QUEUE))
+    )
+    kueue = cluster.kueue_view(namespace, job["metadata"]["uid"]) if waits_for_kueue and job else None
     with ThreadPoolExecutor(max_workers=8) as pool:
         reports = dict(
             zip(
-                [p["metadata"]["name"] for p in pods],
-                pool.map(lambda p: poll_progress(p, xj.extractor.progressPort, xj.runId), pods),
+                [p["metadata"]["name"] for p in polled],
+                pool.map(lambda p: poll_progress(p, xj.extractor.progressPort, xj.runId), polled),
                 strict=True,
             )
         )
@@ -190,6 +209,9 @@ def _reconcile(
         events=events,
         progress={k: v for k, v in reports.items() if v},
         now=now,
+        job_events=job_events,
+        refusal=refusal,
+        kueue=kueue,
     )
     if outcome.stop_job and job is not None:
         _stop(cluster, namespace, current)
@@ -200,6 +222,27 @@ def _reconcile(
     if changed:
         patch.status.update(changed)
     metrics.record_phase(uid, outcome.status.phase)
+
+
+def _create_run(
+    cluster: Cluster, owner: Owner, xj: ExtractionJobSpec
+) -> tuple[dict[str, Any] | None, Refusal | None]:
+    """Create the run's ConfigMap and Job: (the Job, None), or (None, why not)."""
+    try:
+        config_map = desired_config_map(owner, xj)
+        manifest = desired_job(owner, xj, suspend=initial_suspend(xj))
+    except ValueError as exc:  # the spec passed the CRD but cannot make a Job (launch.server_args' checks)
+        return None, Refusal(Reason.INVALID_SPEC, f"{exc}; fix the spec and change runId", permanent=True)
+    for kind, obj in (("ConfigMap", config_map), ("Job", manifest)):
+        try:
+            created = cluster.create_or_read(owner, obj, kind)
+        except ApiException as exc:
+            refusal = create_refusal(exc, kind, obj["metadata"]["name"])
+            if refusal is None:
+                raise
+            log.warning("creating %s %s: %s", kind, obj["metadata"]["name"], refusal.message)
+            return None, refusal
+    return created, None
 
 
 def _stop(cluster: Cluster, namespace: str, job: str) -> None:

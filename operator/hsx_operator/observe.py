@@ -17,17 +17,20 @@ from typing import Any
 from hsx_extractor.contract import PROGRESS_COUNTERS, PROGRESS_RATES, ProgressReport
 from hsx_operator.api import ExtractionJobSpec
 from hsx_operator.conditions import conditions_for, rfc3339
-from hsx_operator.desired import job_name, manifest_uri, output_prefix
+from hsx_operator.desired import LABEL_QUEUE, job_name, manifest_uri, output_prefix
 from hsx_operator.pods import (
+    KueueView,
     exit_summary,
     is_active,
     job_condition,
+    job_problem,
     pod_problem,
     pod_scheduled,
     replica_index,
     report_from,
     server_ready,
     terminated_progress,
+    workload_state,
 )
 from hsx_operator.status import (
     TERMINAL_PHASES,
@@ -72,6 +75,18 @@ class EventNote:
     type: str  # Normal or Warning
     reason: str
     message: str
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The run's Job was not created: the API server refused it, or the spec cannot make one.
+
+    ``permanent`` refusals (an invalid spec, a Job the API server calls invalid) fail the run;
+    the others (a quota on Jobs, a webhook that is down) leave it Pending and stalled, retried."""
+
+    reason: str
+    message: str
+    permanent: bool
 
 
 @dataclass
@@ -181,7 +196,7 @@ def _set(status: ExtractionJobStatus, phase: Phase, reason: str, message: str) -
     status.phase, status.reason, status.message = phase, reason, message
 
 
-def _without_job(status: ExtractionJobStatus, now: datetime) -> None:
+def _without_job(status: ExtractionJobStatus, now: datetime, refusal: Refusal | None) -> _Seen:
     if status.startTime is not None:
         # It existed for this run and is gone before its end was seen: never start it again.
         _set(
@@ -191,8 +206,15 @@ def _without_job(status: ExtractionJobStatus, now: datetime) -> None:
             f"Job {status.jobName} was deleted before the run ended; change runId to run again",
         )
         status.completionTime = rfc3339(now)
+    elif refusal is not None and refusal.permanent:
+        _set(status, Phase.FAILED, refusal.reason, refusal.message[:32768])
+        status.completionTime = rfc3339(now)
+    elif refusal is not None:
+        _set(status, Phase.PENDING, refusal.reason, refusal.message[:32768])
+        return _Seen(stalled=True)
     else:
         _set(status, Phase.PENDING, Reason.JOB_PENDING, f"creating Job {status.jobName}")
+    return _Seen()
 
 
 def _completed(
@@ -218,26 +240,66 @@ def _failed(
     status.completionTime = rfc3339(now)
 
 
-def _suspended(status: ExtractionJobStatus, spec: ExtractionJobSpec) -> None:
+def _suspended(
+    status: ExtractionJobStatus, spec: ExtractionJobSpec, job: Mapping[str, Any], kueue: KueueView | None
+) -> bool:
+    """A suspended Job: by spec.suspend, or held by Kueue (only when Kueue really has it). Stalled?"""
+    name = job.get("metadata", {}).get("name", status.jobName)
+    queue = (job.get("metadata", {}).get("labels") or {}).get(LABEL_QUEUE)
     if spec.suspend:
         _set(
             status, Phase.SUSPENDED, Reason.SUSPENDED, "suspended by spec.suspend; committed shards are kept"
         )
+    elif not queue:
+        _set(
+            status,
+            Phase.SUSPENDED,
+            Reason.JOB_SUSPENDED,
+            f"Job {name} is suspended though spec.suspend is false and it names no Kueue queue; resuming it",
+        )
+    elif kueue is None or not kueue.served:
+        _set(
+            status,
+            Phase.SUSPENDED,
+            Reason.KUEUE_NOT_INSTALLED,
+            f"Job {name} waits for Kueue to admit it (queue {queue}), but this cluster does not serve Kueue's "
+            "API (kueue.x-k8s.io): install Kueue, or run without scheduling.queueName under a new runId",
+        )
+        return True
+    elif kueue.workloads is not None and not kueue.workloads:
+        _set(
+            status,
+            Phase.SUSPENDED,
+            Reason.WAITING_FOR_WORKLOAD,
+            f"Job {name} waits for Kueue to create its Workload (queue {queue}); if this lasts, Kueue does not "
+            "manage this namespace or Jobs",
+        )
     else:
-        queue = spec.scheduling.queueName
-        _set(status, Phase.SUSPENDED, Reason.QUEUED, f"waiting for Kueue to admit the Job (queue {queue})")
+        said = workload_state(kueue.workloads or ())
+        _set(
+            status,
+            Phase.SUSPENDED,
+            Reason.QUEUED,
+            f"Kueue holds Job {name} in queue {queue}" + (f"; {said}" if said else ""),
+        )
+    return False
 
 
 def _active(
     status: ExtractionJobStatus,
+    job: Mapping[str, Any],
     pods: Sequence[Mapping[str, Any]],
     events: Mapping[str, Sequence[Mapping[str, Any]]],
+    job_events: Sequence[Mapping[str, Any]],
     now: datetime,
 ) -> _Seen:
     """A run whose Job neither ended nor is suspended: pods pending, servers starting, or extracting."""
     seen = _Seen()
     active = [p for p in pods if is_active(p)]
     problems = [p for p in (pod_problem(pod, events.get(pod["metadata"]["name"], [])) for pod in active) if p]
+    uncreated = job_problem(job, job_events, active)
+    if uncreated:
+        problems.insert(0, uncreated)
     ready = [p for p in active if server_ready(p)]
     seen.all_ready = bool(active) and len(ready) == len(active)
     if problems:
@@ -249,7 +311,8 @@ def _active(
         _set(status, Phase.PENDING, Reason.PODS_PENDING, "waiting for the Job to create pods")
     elif seen.all_ready:
         p = aggregate(status.replicas, True, None)
-        message = f"{len(active)} server(s) ready; {p.samplesDone}/{p.samplesTotal} samples"
+        done = f"{p.samplesDone}/{p.samplesTotal} samples" if p.samplesTotal else "planning the run"
+        message = f"{len(active)} server(s) ready; {done}"
         _set(status, Phase.RUNNING, Reason.EXTRACTING, message)
         status.serverReadyTime = status.serverReadyTime or rfc3339(now)
     else:
@@ -288,6 +351,8 @@ def _with_job(
     job: Mapping[str, Any],
     pods: Sequence[Mapping[str, Any]],
     events: Mapping[str, Sequence[Mapping[str, Any]]],
+    job_events: Sequence[Mapping[str, Any]],
+    kueue: KueueView | None,
     now: datetime,
 ) -> _Seen:
     jst = job.get("status", {})
@@ -300,9 +365,9 @@ def _with_job(
     elif failed:
         _failed(status, failed, failures, pods, now)
     elif job.get("spec", {}).get("suspend"):
-        _suspended(status, spec)
+        return _Seen(stalled=_suspended(status, spec, job, kueue))
     else:
-        seen = _active(status, pods, events, now)
+        seen = _active(status, job, pods, events, job_events, now)
         seen.stop = _past_startup_deadline(status, spec, now)
         return seen
     return _Seen()
@@ -334,8 +399,13 @@ def observe(
     events: Mapping[str, Sequence[Mapping[str, Any]]],
     progress: Mapping[str, Mapping[str, Any]],
     now: datetime,
+    job_events: Sequence[Mapping[str, Any]] = (),
+    refusal: Refusal | None = None,
+    kueue: KueueView | None = None,
 ) -> Outcome:
-    """The status of the current run. ``events`` and ``progress`` are keyed by pod name."""
+    """The status of the current run. ``events`` and ``progress`` are keyed by pod name;
+    ``job_events`` are the Job's own; ``refusal`` says why the run's Job could not be created;
+    ``kueue`` is what the cluster says of Kueue when the Job waits for it (None: Kueue not served)."""
     base = start_run(prior, spec, xj_name)
     new_run = base is not prior
     notes: list[EventNote] = []
@@ -360,10 +430,9 @@ def observe(
     if progress:
         status.progress.lastUpdateTime = rfc3339(now)
     if job is None:
-        _without_job(status, now)
-        seen = _Seen()
+        seen = _without_job(status, now, refusal)
     else:
-        seen = _with_job(status, spec, job, pods, events, now)
+        seen = _with_job(status, spec, job, pods, events, job_events, kueue, now)
 
     terminal = status.phase in TERMINAL_PHASES
     status.progress = aggregate(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -25,6 +26,9 @@ STUCK_WAITING = frozenset(
         "CrashLoopBackOff",
     }
 )
+# Pod events of a scheduled pod whose volumes cannot be set up (a missing Secret or ConfigMap, a PVC
+# that cannot attach): the kubelet retries, but nothing changes until someone fixes the cause.
+STUCK_POD_EVENTS = frozenset({"FailedMount", "FailedAttachVolume"})
 
 
 def report_from(data: Any) -> ProgressReport | None:
@@ -114,7 +118,71 @@ def pod_problem(pod: Mapping[str, Any], events: Sequence[Mapping[str, Any]]) -> 
         for ev in reversed(events):
             if ev.get("reason") == "FailedScheduling":
                 return Reason.UNSCHEDULABLE, f"pod {name}: {ev.get('message', '')}"
+    if st.get("phase") == "Pending" and pod_scheduled(pod) and not _any_container_started(pod):
+        for ev in reversed(events):
+            if ev.get("reason") in STUCK_POD_EVENTS:
+                return str(ev["reason"]), f"pod {name}: {ev.get('message', '')}".strip()
     return None
+
+
+def _any_container_started(pod: Mapping[str, Any]) -> bool:
+    st = pod.get("status", {})
+    return any(
+        {"running", "terminated"} & set(c.get("state") or {})
+        for c in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or [])
+    )
+
+
+def event_time(event: Mapping[str, Any]) -> str:
+    """When an Event (core/v1 view) was last seen, RFC 3339; "" when it says nothing."""
+    series = event.get("series") or {}
+    return str(
+        event.get("lastTimestamp")
+        or series.get("lastObservedTime")
+        or event.get("eventTime")
+        or event.get("firstTimestamp")
+        or ""
+    )
+
+
+def job_problem(
+    job: Mapping[str, Any], events: Sequence[Mapping[str, Any]], active: Sequence[Mapping[str, Any]]
+) -> tuple[str, str] | None:
+    """Why the Job controller cannot create the run's pods (ResourceQuota, PodSecurity, a missing
+    PriorityClass...): the last FailedCreate event on the Job, if it is newer than every active pod
+    and the Job still lacks pods. (reason, message), or None."""
+    wanted = int(job.get("spec", {}).get("parallelism") or 1)
+    if len(active) >= wanted:
+        return None
+    newest_pod = max((p.get("metadata", {}).get("creationTimestamp") or "" for p in active), default="")
+    for ev in sorted(events, key=event_time, reverse=True):
+        if ev.get("reason") != "FailedCreate":
+            continue
+        if event_time(ev) < newest_pod:
+            return None
+        name = job.get("metadata", {}).get("name", "?")
+        return Reason.FAILED_CREATE, f"Job {name} cannot create its pods: {ev.get('message', '')}".strip()
+    return None
+
+
+@dataclass(frozen=True)
+class KueueView:
+    """What the cluster says of Kueue for a suspended, queued Job."""
+
+    served: bool  # the cluster serves Kueue's API (kueue.x-k8s.io)
+    workloads: tuple[Mapping[str, Any], ...] | None = ()  # the Job's Workloads; None when unreadable
+
+
+def workload_state(workloads: Sequence[Mapping[str, Any]]) -> str:
+    """Kueue's own words on the Job's Workload: evicted, admitted, or why quota is not reserved yet."""
+    for wl in workloads:
+        conds = {c.get("type"): c for c in wl.get("status", {}).get("conditions") or []}
+        for type_, status in (("Evicted", "True"), ("Admitted", "True"), ("QuotaReserved", "False")):
+            c = conds.get(type_)
+            if c is not None and c.get("status") == status:
+                text = c.get("message") or c.get("reason") or ""
+                return f"Workload {wl.get('metadata', {}).get('name', '?')} {type_.lower()}: {text}".strip()
+    return ""
 
 
 def terminated_progress(pod: Mapping[str, Any]) -> ProgressReport | None:

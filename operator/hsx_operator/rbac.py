@@ -24,6 +24,8 @@ NAMESPACED_RULES: list[dict[str, Any]] = [
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["get", "list", "watch", "create", "patch"]},
     {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+    # Kueue's Workload of a queued Job: Queued only when Kueue really holds it (read-only; absent without Kueue).
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"], "verbs": ["get", "list"]},
 ]
 
 # Cluster-wide, read-only: kopf discovers the CRD and (when watching all namespaces) lists namespaces.

@@ -42,8 +42,21 @@ class Reason(StrEnum):
     PERMANENT_FAILURE = "PermanentFailure"
     JOB_FAILED = "JobFailed"
     SUSPENDED = "Suspended"
+    # Kueue holds the Job: it carries a queue label and Kueue has a Workload for it.
     QUEUED = "Queued"
+    # The Job waits for Kueue (queue label, suspended) but the cluster does not serve Kueue's API.
+    KUEUE_NOT_INSTALLED = "KueueNotInstalled"
+    # Kueue is installed but has no Workload for the Job (yet: or it does not manage the namespace).
+    WAITING_FOR_WORKLOAD = "WaitingForWorkload"
+    # The Job is suspended with no queue label while spec.suspend is false: the operator resumes it.
+    JOB_SUSPENDED = "JobSuspended"
     INVALID_SPEC = "InvalidSpec"
+    # The API server refused the run's Job (or its ConfigMap) as invalid: a 400 or 422 answer.
+    INVALID_JOB_SPEC = "InvalidJobSpec"
+    # The API server refused to create the run's Job for another reason (a quota on Jobs, a webhook).
+    JOB_CREATE_REFUSED = "JobCreateRefused"
+    # The Job controller cannot create pods (FailedCreate on the Job: ResourceQuota, PodSecurity, ...).
+    FAILED_CREATE = "FailedCreate"
 
 
 class _Status(BaseModel):

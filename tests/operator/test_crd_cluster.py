@@ -145,6 +145,44 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         'Unsupported value: "Maybe"',
     ),
     ("unknown-field-typo", _with("outptu", {"uri": "x"}), 'unknown field "spec.outptu"'),
+    # Cross-field rules (issue 18, item 4).
+    (
+        "model-path-sibling-of-mount",
+        _with("model.path", "/models-other/tiny"),
+        "/models-other is not inside /models",
+    ),
+    ("aux-layers-repeated", _with("model.auxLayerIds", [2, 30, 2]), "model.auxLayerIds must be distinct"),
+    (
+        "extra-args-abbreviated-owned-flag",
+        _with("server.extraArgs", ["--tp-siz", "4"]),
+        "nor any abbreviation of them (SGLang reads --tp-siz as --tp-size)",
+    ),
+    (
+        "extra-args-abbreviated-model-path",
+        _with("server.extraArgs", ["--mod=/elsewhere"]),
+        "server.extraArgs may not set flags extraction mode owns",
+    ),
+    (
+        "extra-args-alias-of-owned-flag",
+        _with("server.extraArgs", ["--pipeline-parallel-size", "2"]),
+        "server.extraArgs may not set flags extraction mode owns",
+    ),
+    ("extra-args-config-file", _with("server.extraArgs", ["--config", "/etc/sglang.yaml"]), "nor --config"),
+    (
+        "memory-limit-not-above-shm",
+        _with("server.resources", {"limits": {"memory": "16Gi"}}),
+        "server.resources.limits.memory must be larger than server.shmSize",
+    ),
+    (
+        "dump-dir-max-not-below-shm",
+        _with("extractor", {"dumpDirMaxBytes": 32 << 30}),
+        "extractor.dumpDirMaxBytes must be smaller than server.shmSize",
+    ),
+    (
+        "server-port-is-progress-port",
+        _with("server.port", 8080),
+        "server.port and extractor.progressPort must differ",
+    ),
     ("no-spec", {k: v for k, v in VALID.items() if k != "spec"}, "spec: Required value"),
 ]
 
@@ -157,6 +195,18 @@ def test_invalid_manifest_is_rejected(
     assert result.returncode != 0, f"{case} was accepted"
     assert fragment in result.stderr, result.stderr
     assert xj_crd.kubectl("get", "xj", "-n", namespace, "-o", "name").stdout.strip() == ""
+
+
+def test_cross_field_rules_let_sound_specs_through(xj_crd: Any, namespace: str) -> None:
+    doc = _with("model.path", "/models")  # the mount itself is inside it
+    doc["spec"]["model"]["auxLayerIds"] = [2, 30, 58]
+    doc["spec"]["server"] = {
+        "shmSize": "24Gi",
+        "resources": {"limits": {"memory": "64Gi"}},
+        "extraArgs": ["--mem-fraction-static=0.8", "--trust-remote-code", "--context-length", "4096"],
+    }
+    doc["spec"]["extractor"] = {"dumpDirMaxBytes": 16 << 30}
+    xj_crd.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(doc))
 
 
 def test_there_are_at_least_twenty_kinds() -> None:
@@ -231,6 +281,6 @@ def test_explain_reads_well(xj_crd: Any) -> None:
 def test_printer_columns_on_the_server(xj_crd: Any, namespace: str) -> None:
     xj_crd.kubectl("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(VALID))
     narrow = xj_crd.kubectl("get", "xj", "-n", namespace).stdout.splitlines()[0].split()
-    assert narrow == ["NAME", "PHASE", "PROGRESS", "SAMPLES", "TOK/S", "ETA", "AGE"]
+    assert narrow == ["NAME", "PHASE", "REASON", "PROGRESS", "SAMPLES", "TOK/S", "ETA", "AGE"]
     wide = xj_crd.kubectl("get", "xj", "-n", namespace, "-o", "wide").stdout.splitlines()
-    assert wide[0].split()[-3:] == ["RUN", "ATTEMPT", "REASON"] and "r1" in wide[1]
+    assert wide[0].split()[-2:] == ["RUN", "ATTEMPT"] and "r1" in wide[1]

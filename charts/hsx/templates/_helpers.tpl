@@ -86,6 +86,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+# Kueue's Workload of a queued Job, to say Queued only when Kueue really holds it.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "list"]
 {{- if .Values.peering.enabled }}
 # kopf peering: standby replicas learn which one is active.
 - apiGroups: ["kopf.dev"]

@@ -30,9 +30,11 @@ TARGET_KWONLY = (
 )
 
 # Flags the operator must not let users override: extraction is wrong or impossible without them.
+# With every alias SGLang's parser gives them (tests/engines/test_owned_flags.py reads its parser).
 OWNED_FLAGS = frozenset(
     {
         "--model-path",
+        "--model",
         "--tp-size",
         "--tp",
         "--tensor-parallel-size",
@@ -46,9 +48,47 @@ OWNED_FLAGS = frozenset(
         "--return-aux-hidden-state-layer-ids",
         "--disable-radix-cache",
         "--speculative-draft-model-path",
+        "--speculative-draft-model",
         "--pp-size",
+        "--pipeline-parallel-size",
     }
 )
+
+
+# Flags server.extraArgs may not name at all: SGLang's --config reads a file of arguments that could set
+# any owned flag behind the check's back.
+REFUSED_FLAGS = frozenset({"--config"})
+# SGLang parses with argparse's allow_abbrev: any unambiguous prefix of a long flag is that flag
+# (--tp-siz is --tp-size). A flag name of the arguments is refused when it is an owned or refused flag
+# or a prefix of one, given longer than this ("--" alone and "--x" style stubs are not flags).
+MIN_ABBREV = 3
+
+
+def refused_extra_arg(arg: str) -> str | None:
+    """The owned or refused flag ``arg`` would set, or None: ``--tp-size=4``, ``--tp-siz`` and
+    ``--mod`` (argparse abbreviations of --tp-size and --model-path) and ``--config`` are refused.
+    The one check of extra arguments, used by :func:`server_args` and by the operator."""
+    if not arg.startswith("--"):
+        return None
+    name = arg.split("=", 1)[0]
+    if len(name) < MIN_ABBREV:
+        return None
+    for flag in sorted(OWNED_FLAGS | REFUSED_FLAGS):
+        if flag.startswith(name):
+            return flag
+    return None
+
+
+def extra_args_problem(extra_args: Sequence[str]) -> str | None:
+    """Why ``extra_args`` cannot be appended to the server's command line, or None."""
+    clashes = {str(a): flag for a in extra_args if (flag := refused_extra_arg(str(a))) is not None}
+    if not clashes:
+        return None
+    named = ", ".join(f"{a} ({flag})" if a.split("=", 1)[0] != flag else a for a, flag in clashes.items())
+    return (
+        f"extra_args may not set {named}: extraction mode sets the flags {', '.join(sorted(OWNED_FLAGS))} "
+        "itself, argparse reads any prefix of a flag as that flag, and --config could set them from a file"
+    )
 
 
 def server_args(
@@ -81,9 +121,9 @@ def server_args(
     if chunked_prefill_size == 0 or chunked_prefill_size < -1:
         raise ValueError("chunked_prefill_size must be -1 (no chunking) or positive")
     extra = [str(a) for a in extra_args]
-    clashes = sorted({a.split("=", 1)[0] for a in extra} & OWNED_FLAGS)
-    if clashes:
-        raise ValueError(f"extra_args may not set {', '.join(clashes)}: extraction mode sets them")
+    problem = extra_args_problem(extra)
+    if problem:
+        raise ValueError(problem)
     argv = [
         "python3",
         "-m",

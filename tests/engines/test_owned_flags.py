@@ -1,0 +1,76 @@
+"""The extraArgs guard (launch.refused_extra_arg) against the real SGLang release's own argument parser:
+every spelling of a flag extraction mode owns is refused, abbreviations included, and no other real flag is."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hsx_extractor.sglang_hook.launch import OWNED_FLAGS, REFUSED_FLAGS, extra_args_problem, refused_extra_arg
+
+# Builds SGLang's parser as `sglang serve` does and reports its flags by destination, and what argparse
+# makes of a few abbreviations.
+_PROBE = r"""
+import argparse, json, sys
+from sglang.srt.server_args import ServerArgs
+p = argparse.ArgumentParser(prog="probe", exit_on_error=False)
+ServerArgs.add_cli_args(p)
+dests = {}
+for a in p._actions:
+    if a.option_strings:
+        dests.setdefault(a.dest, []).extend(a.option_strings)
+parsed = {}
+for arg in sys.argv[1:]:
+    try:
+        ns, _ = p.parse_known_args(["--model-path", "/m", arg, "7"])
+        parsed[arg] = {k: v for k, v in vars(ns).items() if v == "7" or v == 7}
+    except (argparse.ArgumentError, SystemExit) as exc:
+        parsed[arg] = str(exc)
+print(json.dumps({"allow_abbrev": p.allow_abbrev, "dests": dests, "parsed": parsed}))
+"""
+ABBREVIATIONS = ["--tp-siz", "--tensor-parallel-s", "--por", "--hos", "--pipeline-parallel", "--confi"]
+
+
+@pytest.fixture(scope="module")
+def parser_facts(sglang_venv: Path) -> dict:
+    done = subprocess.run(
+        [str(sglang_venv / "bin" / "python"), "-c", _PROBE, *ABBREVIATIONS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_every_spelling_of_an_owned_flag_is_owned(parser_facts: dict) -> None:
+    assert parser_facts["allow_abbrev"], "SGLang's parser takes abbreviations: the guard must refuse them"
+    dests = parser_facts["dests"]
+    owned = {d: flags for d, flags in dests.items() if set(flags) & OWNED_FLAGS}
+    assert {"model_path", "tp_size", "dp_size", "port", "host", "pp_size"} <= set(owned)
+    for dest, flags in owned.items():
+        assert set(flags) <= OWNED_FLAGS, (dest, flags)
+    every = {f for flags in dests.values() for f in flags}
+    assert every >= REFUSED_FLAGS
+    # No flag of the release is refused by accident: only owned ones and --config.
+    assert sorted(f for f in every if refused_extra_arg(f) and f not in OWNED_FLAGS | REFUSED_FLAGS) == []
+
+
+def test_abbreviations_argparse_would_expand_are_refused(parser_facts: dict) -> None:
+    for arg, outcome in parser_facts["parsed"].items():
+        # argparse takes each as an owned flag (or --config), or refuses it as ambiguous.
+        assert refused_extra_arg(arg) is not None, (arg, outcome)
+        assert refused_extra_arg(f"{arg}=7") is not None
+    assert parser_facts["parsed"]["--tp-siz"] == {"tp_size": 7}
+    problem = extra_args_problem(
+        ["--mem-fraction-static", "0.8", "--tp-siz", "4", "--mod=/x", "--config", "c.yaml"]
+    )
+    assert (
+        problem
+        and "--tp-siz (--tp-size)" in problem
+        and "--mod=/x (--model)" in problem
+        and "--config" in problem
+    )

@@ -1,0 +1,170 @@
+"""Runs that cannot start, on the real control plane and node agent (issue 18, item 1): a Job the API
+server rejects fails the run at once with the API server's words, pods the Job controller may not
+create (ResourceQuota) and a container whose Secret is missing stall the run with the real message,
+and nothing is retried behind a blank status."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.operator.conftest import OperatorProcess, wait_for
+from tests.operator.e2e import QUIET_SECONDS, conditions, phase
+from tests.operator.kube_helpers import Namespace, xj_manifest
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+def reason_is(ns: Namespace, name: str, reason: str) -> Callable[[], dict[str, Any] | None]:
+    def check() -> dict[str, Any] | None:
+        st = ns.status(name)
+        return st if st.get("reason") == reason else None
+
+    return check
+
+
+def xj_events(ns: Namespace, name: str) -> list[dict[str, Any]]:
+    return [
+        e
+        for e in ns.items("events")
+        if e["involvedObject"].get("kind") == "ExtractionJob" and e["involvedObject"].get("name") == name
+    ]
+
+
+def test_a_job_the_api_server_rejects_fails_the_run_with_its_message(
+    ns: Namespace, run_env: dict[str, Any], start_operator: Callable[[], OperatorProcess]
+) -> None:
+    op = start_operator()
+    # Both pass the CRD (it does not repeat the Pod API's validation); the Job API refuses them.
+    ns.apply(xj_manifest("badsel", "r1", **run_env, scheduling={"nodeSelector": {"gpu type!": "h100"}}))
+    ns.apply(
+        xj_manifest(
+            "badtol",
+            "r1",
+            **run_env,
+            scheduling={"tolerations": [{"key": "gpu", "operator": "Exists", "value": "yes"}]},
+        )
+    )
+    for name, words in (("badsel", "nodeSelector"), ("badtol", "tolerations[0]")):
+        failed = wait_for(phase(ns, name, "Failed"), 60, f"{name} to fail")
+        assert failed["reason"] == "InvalidJobSpec", failed
+        assert f'Job.batch "{name}-r1" is invalid' in failed["message"] and words in failed["message"], failed
+        assert "change runId" in failed["message"]
+        assert conditions(failed)["Failed"] == "True" and conditions(failed)["Stalled"] == "True"
+        warnings = [
+            e for e in xj_events(ns, name) if e["type"] == "Warning" and e["reason"] == "InvalidJobSpec"
+        ]
+        assert warnings and words in warnings[0]["message"], xj_events(ns, name)
+        assert warnings[0]["source"].get("component") == "hsx-operator", warnings[0]
+    # A trigger that raced the first status write may have tried once more; after that, no retries.
+    creates_logged = op.tail(400).count("creating Job badsel-r1")
+    time.sleep(QUIET_SECONDS)  # several operator polls: no further attempt, the status stands
+    assert op.tail(400).count("creating Job badsel-r1") == creates_logged <= 2, op.tail()
+    assert ns.get("job", "badsel-r1") is None and ns.get("job", "badtol-r1") is None
+    assert ns.status("badsel")["reason"] == "InvalidJobSpec"
+
+
+def test_quota_and_a_missing_secret_stall_the_run_with_the_real_message(
+    ns: Namespace, run_env: dict[str, Any], start_operator: Callable[[], OperatorProcess]
+) -> None:
+    start_operator()
+    # No pod may be created in the namespace: the Job controller's creates are refused (FailedCreate).
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-pods"},
+        "spec": {"hard": {"pods": "0"}},
+    }
+    ns.apply(quota)
+    wait_for(
+        lambda: (ns.get("resourcequota", "no-pods") or {}).get("status", {}).get("hard"), 60, "the quota"
+    )
+    ns.apply(xj_manifest("quota", "r1", **run_env))
+    stalled = wait_for(reason_is(ns, "quota", "FailedCreate"), 120, "reason FailedCreate")
+    assert stalled["phase"] == "Pending", stalled
+    assert "exceeded quota: no-pods" in stalled["message"] and "Job quota-r1" in stalled["message"], stalled
+    assert conditions(stalled)["Stalled"] == "True"
+    assert "FailedCreate" in [e["reason"] for e in xj_events(ns, "quota") if e["type"] == "Warning"]
+
+    ns.kubectl("delete", "resourcequota", "no-pods")
+    secretless = xj_manifest("nosecret", "r1", **run_env)
+    secretless["spec"]["output"]["credentialsSecret"] = "absent-creds"
+    ns.apply(secretless)
+    missing = wait_for(
+        reason_is(ns, "nosecret", "CreateContainerConfigError"), 180, "CreateContainerConfigError"
+    )
+    assert missing["phase"] in ("Pending", "Starting") and "absent-creds" in missing["message"], missing
+    assert conditions(missing)["Stalled"] == "True"
+
+
+WORKLOAD_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "workloads.kueue.x-k8s.io"},
+    "spec": {
+        "group": "kueue.x-k8s.io",
+        "scope": "Namespaced",
+        "names": {
+            "kind": "Workload",
+            "plural": "workloads",
+            "singular": "workload",
+            "listKind": "WorkloadList",
+        },
+        "versions": [
+            {
+                "name": "v1beta2",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                },
+            }
+        ],
+    },
+}
+
+
+def test_queued_only_when_kueue_holds_the_job(
+    ns: Namespace, run_env: dict[str, Any], start_operator: Callable[[], OperatorProcess]
+) -> None:
+    """Without Kueue a queueName run says Kueue is missing; with Kueue's API (here only its Workload
+    CRD, standing in for its controller) and a Workload for the Job, it is Queued with Kueue's words."""
+    start_operator()
+    ns.apply(xj_manifest("queued", "r1", **run_env, scheduling={"queueName": "team-a"}))
+    missing = wait_for(reason_is(ns, "queued", "KueueNotInstalled"), 60, "KueueNotInstalled")
+    assert missing["phase"] == "Suspended" and "install Kueue" in missing["message"], missing
+    assert conditions(missing)["Stalled"] == "True"
+    job = ns.get("job", "queued-r1")
+    assert job is not None and job["spec"]["suspend"] is True and not ns.pods_of("queued-r1")
+
+    crd = json.dumps(WORKLOAD_CRD)
+    ns.cluster.kubectl("apply", "-f", "-", input=crd)
+    try:
+        ns.cluster.wait_crd_established("workloads.kueue.x-k8s.io")
+        wait_for(reason_is(ns, "queued", "WaitingForWorkload"), 60, "WaitingForWorkload")
+        message = "couldn't assign flavors to pod set main: insufficient quota for nvidia.com/gpu"
+        ns.apply(
+            {
+                "apiVersion": "kueue.x-k8s.io/v1beta2",
+                "kind": "Workload",
+                "metadata": {
+                    "name": "job-queued-r1-abcde",
+                    "labels": {"kueue.x-k8s.io/job-uid": job["metadata"]["uid"]},
+                },
+                "spec": {"queueName": "team-a"},
+                "status": {
+                    "conditions": [
+                        {"type": "QuotaReserved", "status": "False", "reason": "Pending", "message": message}
+                    ]
+                },
+            }
+        )
+        queued = wait_for(reason_is(ns, "queued", "Queued"), 60, "Queued")
+        assert message in queued["message"] and "queue team-a" in queued["message"], queued
+        assert queued["phase"] == "Suspended" and conditions(queued)["Stalled"] == "False"
+    finally:
+        ns.cluster.kubectl("delete", "crd", "workloads.kueue.x-k8s.io", "--ignore-not-found", "--wait=true")
