@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in one go, then a one-screen summary (results in bench/results/).
 
-    .venv/bin/python -m bench [--only b1,b2,b3,b4,memory]
+    .venv/bin/python -m bench [--only b1,b2,b3,b4,memory,tokenize]
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ def benchmarks() -> dict[str, Callable[[], dict[str, Any]]]:
     from bench.b2_saturation import run_b2
     from bench.b4_operator import run_b4
     from bench.memory import run_memory
+    from bench.tokenize import run_tokenize
 
-    return {"b1": run_b1, "b2": run_b2, "b3": _b3, "b4": run_b4, "memory": run_memory}
+    return {"b1": run_b1, "b2": run_b2, "b3": _b3, "b4": run_b4, "memory": run_memory, "tokenize": run_tokenize}
 
 
 def summary(results: dict[str, Any]) -> list[str]:
@@ -70,13 +71,23 @@ def summary(results: dict[str, Any]) -> list[str]:
                 f"{r['peak_rss_bytes'] / 2**30:.2f} GiB")
             row("", f"peak shm vs dumpDirMaxBytes {r['dump_dir_max_bytes'] / 2**30:.2f} GiB",
                 f"{r['peak_dump_dir_bytes'] / 2**30:.2f} GiB", "<= limit")
+        elif name == "tokenize":
+            low, high = r["server_tokens_per_s_assumed"]
+            for case, c in r["cases"].items():
+                hsx, plain = c["runs"][c["hsx_path"]], c["runs"]["plain apply_chat_template"]
+                row("tokenize", f"{case.split()[0]} {c['hsx_path']}, {hsx['tokens_per_row']:.0f} tok/row: rows/s (tok/s)",
+                    f"{hsx['rows_per_s']:.0f} ({hsx['tokens_per_s'] / 1000:.0f}k)")
+                row("", f"  x plain apply_chat_template ({plain['rows_per_s']:.0f} rows/s)", f"{c['hsx_vs_plain']:.2f}")
+                row("", f"  8-GPU server at {low // 1000}-{high // 1000}k tok/s: "
+                        f"{c['server_8gpu']['low_rows_per_s']:.0f}-{c['server_8gpu']['high_rows_per_s']:.0f} rows/s, cores",
+                    f"{c['cores_needed_at_high']:.2f}", "< 1")
     lines.append("=" * 100)
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="run hsx's benchmarks")
-    p.add_argument("--only", default="b1,b2,b3,b4,memory", help="comma-separated subset")
+    p.add_argument("--only", default="b1,b2,b3,b4,memory,tokenize", help="comma-separated subset")
     args = p.parse_args(argv)
     table = benchmarks()
     wanted = [n.strip() for n in args.only.split(",") if n.strip()]
