@@ -20,6 +20,7 @@ from hsx_extractor.tools.estimate import (
     add_estimate_command,
     estimate_storage,
     format_estimate,
+    trial_ratio,
 )
 
 H, K = 64, 3
@@ -137,6 +138,31 @@ def test_the_cli_takes_a_ratio_as_measured_on_shards_unless_told(capsys: pytest.
     assert body["storedBytes"] == -(-body["hiddenBytes"] * 4 // 5) + body["tokenBytes"] + body["indexBytes"]
     _, out = run_cli(argv[:-2], capsys)
     assert json.loads(out)["ratioMeasuredOn"] == "hidden"  # the default ratio is a hidden-state one
+
+
+def test_a_trial_run_gives_its_hidden_state_ratio_to_the_hidden_states(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hsx_extractor.config import OutputSpec
+    from hsx_extractor.storage.store import open_store
+    from tests.storage.samples import plan_for, record, seq_len_of, write_run
+
+    output = OutputSpec.model_validate({"uri": str(tmp_path / "out"), "compression": "bf16-zstd"})
+    write_run(open_store(output, "trial"), plan_for(12, 5), quarantine=frozenset({3}))
+    # Independently: the same samples encoded with the codec, their BF16 tensors' raw and stored bytes.
+    encoded = [shards.encode_sample(record(i, seq_len_of(i)), shards.COMPRESSION_CODECS["bf16-zstd"])
+               for i in range(12) if i != 3]  # fmt: skip
+    bf16 = [t for e in encoded for t in e.entry.tensors if t.dtype == "BF16"]
+    expected = sum(t.raw_length for t in bf16) / sum(t.length for t in bf16)
+    assert trial_ratio(str(tmp_path / "out" / "trial")) == (pytest.approx(expected), 11)
+    argv = ["estimate", "--tokens", "100000", "--samples", "50", "--hidden-size", "64", "--num-layers", "8",
+            "--json", "--trial", str(tmp_path / "out" / "trial")]  # fmt: skip
+    code, out = run_cli(argv, capsys)
+    body = json.loads(out)
+    assert code == 0 and body["ratioMeasuredOn"] == "hidden" and body["assumedRatio"] == pytest.approx(expected)
+    assert body["storedBytes"] == math.ceil(body["hiddenBytes"] / body["assumedRatio"]) + body["tokenBytes"] + body["indexBytes"]
+    code, out = run_cli([*argv[:-1], str(tmp_path / "out" / "none")], capsys)
+    assert code == 2 and "no committed shard" in out and "Traceback" not in out
 
 
 def test_rejected_and_duplicate_rows_write_no_hidden_states() -> None:

@@ -69,7 +69,7 @@ def bytes_on_disk(run_dir: Path) -> int:
 
 
 def estimate(
-    model: Path, compression: str, ratio: float | None = None, limit: int | None = None, basis: str | None = None
+    model: Path, compression: str, ratio: float | None = None, limit: int | None = None, trial: Path | None = None
 ) -> dict[str, Any]:
     argv = [
         "estimate", "--dataset", str(example_dataset_path()), "--model", str(model), "--compression", compression,
@@ -79,8 +79,8 @@ def estimate(
         argv += ["--compression-ratio", str(ratio)]
     if limit is not None:
         argv += ["--limit", str(limit)]
-    if basis is not None:
-        argv += ["--ratio-measured-on", basis]
+    if trial is not None:
+        argv += ["--trial", str(trial)]
     result = hsx(*argv)
     assert result.returncode == 0, result.stdout + result.stderr
     return dict(json.loads(result.stdout))
@@ -130,8 +130,9 @@ def test_a_trial_run_ratio_predicts_the_compressed_run(
     )
     assert abs(est["storedBytes"] - actual) <= TOLERANCE * actual, (est, actual)
     assert est["rawBytes"] > actual
-    # A ratio measured on the hidden states alone, said to be one, predicts it too.
-    hidden = hidden_state_ratio(trial)
-    by_hidden = estimate(model, "bf16-zstd", ratio=hidden, basis="hidden")
-    print(f"  hidden-state ratio {hidden:.4f} (full run {hidden_state_ratio(full):.4f}): {by_hidden['storedBytes']} B")
-    assert abs(by_hidden["storedBytes"] - actual) <= TOLERANCE * actual, (by_hidden, actual)
+    # --trial reads the hidden states' own ratio off the trial's shard headers: closer still.
+    by_trial = estimate(model, "bf16-zstd", trial=trial)
+    assert by_trial["assumedRatio"] == pytest.approx(hidden_state_ratio(trial))
+    print(f"  --trial: hidden-state ratio {by_trial['assumedRatio']:.4f} (full run {hidden_state_ratio(full):.4f}): "
+          f"{by_trial['storedBytes']} B")
+    assert abs(by_trial["storedBytes"] - actual) <= TOLERANCE * actual, (by_trial, actual)

@@ -14,6 +14,7 @@ on hidden states alone and divides the hidden-state bytes. A trial's ratio, as i
 (``compression.ratio``) and ``hsx verify`` report it, is raw tensor bytes (hidden states, ids, loss
 masks) over the stored shard objects (headers and padding included), so it divides the estimated
 raw tensor bytes and stands for the whole shards; commit records, plan and manifest are added after.
+``--trial RUN`` reads the trial's shard headers instead and measures the hidden states' own ratio.
 """
 
 from __future__ import annotations
@@ -321,6 +322,30 @@ def rows_from_samples(samples: Iterable[Any]) -> Rows:
     return Rows(tuple(lengths), tuple(ids))
 
 
+def trial_ratio(run_uri: str) -> tuple[float, int]:
+    """Raw / stored bytes of the hidden-state (BF16) tensors of a trial run's committed shards, read
+    from their headers, and how many samples that is."""
+    from hsx_extractor.config import OutputSpec
+    from hsx_extractor.storage.layout import split_run_uri
+    from hsx_extractor.storage.store import open_store
+
+    output_uri, run_id = split_run_uri(run_uri.rstrip("/"))
+    store = open_store(OutputSpec.model_validate({"uri": output_uri}), run_id, writing=False)
+    raw = stored = samples = 0
+    try:
+        for k in sorted(store.committed_shards()):
+            for sample in store.read_header(k).samples:
+                samples += 1
+                for t in sample.tensors:
+                    if t.dtype == "BF16":
+                        raw, stored = raw + t.raw_length, stored + t.length
+    finally:
+        store.close()
+    if not stored:
+        raise EstimateError(f"{run_uri}: no committed shard with hidden states to measure a ratio on")
+    return raw / stored, samples
+
+
 def count_dataset(
     uri: str,
     tokenizer_dir: Path,
@@ -380,7 +405,14 @@ def add_estimate_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--compression", choices=sorted(COMPRESSION_CODECS), default="bf16-zstd", help="output.compression"
     )
-    p.add_argument(
+    given = p.add_mutually_exclusive_group()
+    given.add_argument(
+        "--trial",
+        metavar="RUN",
+        help="a trial run of the same model ({output.uri}/{runId}, local or s3://): its hidden-state ratio, read "
+        "from its shard headers, is applied to the hidden states",
+    )
+    given.add_argument(
         "--compression-ratio",
         type=float,
         help="the ratio a trial run measured: its manifest.json compression.ratio (hsx verify prints it), raw "
@@ -417,6 +449,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     from hsx_extractor.run.sources import DatasetError
     from hsx_extractor.run.tokens import TokenizerError
     from hsx_extractor.storage.backends import StoreError
+    from hsx_extractor.storage.layout import InvalidKeyError
 
     try:
         dims = _dims(args)
@@ -441,16 +474,24 @@ def run_estimate(args: argparse.Namespace) -> int:
         else:
             samples = args.samples if args.samples is not None else max(1, args.tokens // 2048)
             rows = Rows.uniform(samples, args.tokens)
+        ratio, basis = args.compression_ratio, args.ratio_measured_on
+        if args.trial:
+            ratio, measured = trial_ratio(args.trial)
+            basis = "hidden"
+            if not args.json:
+                print(f"trial     {args.trial}: hidden states {ratio:.4f}x over {measured:,} samples")
         est = estimate_storage(
             rows,
             dims.hidden_size,
             num_aux,
             args.compression,
             args.shard_target_bytes,
-            args.compression_ratio,
-            args.ratio_measured_on if args.compression_ratio is not None else "hidden",
+            ratio,
+            basis if ratio is not None else "hidden",
         )
-    except (EstimateError, ModelConfigError, DatasetError, TokenizerError, StoreError, OSError) as exc:
+    except (
+        EstimateError, ModelConfigError, DatasetError, TokenizerError, StoreError, InvalidKeyError, OSError
+    ) as exc:
         # What the user gave is wrong (a path, a tokenizer, a dataset): say so, no traceback.
         print(f"hsx estimate: error: {exc}")
         return 2
