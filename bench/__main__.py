@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in one go, then a one-screen summary (results in bench/results/).
 
-    .venv/bin/python -m bench [--only b1,b2,b3,b4,memory,hook_writer]
+    .venv/bin/python -m bench [--only b1,b2,b3,b4,memory,hook_writer,tokenize]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ def benchmarks() -> dict[str, Callable[[], dict[str, Any]]]:
     from bench.b4_operator import run_b4
     from bench.hook_writer import run_hook_writer
     from bench.memory import run_memory
+    from bench.tokenize import run_tokenize
 
     return {
         "b1": run_b1,
@@ -31,6 +32,7 @@ def benchmarks() -> dict[str, Callable[[], dict[str, Any]]]:
         "b4": run_b4,
         "memory": run_memory,
         "hook_writer": run_hook_writer,
+        "tokenize": run_tokenize,
     }
 
 
@@ -82,13 +84,23 @@ def summary(results: dict[str, Any]) -> list[str]:
             for run, v in r["runs"].items():
                 row("hook writer", f"{run}: GB/s, core-s/GB",
                     f"{v['GBps']:.2f} {v['core_s_per_GB']:.2f}", "<= 0.6 c-s/GB")
+        elif name == "tokenize":
+            low, high = r["server_tokens_per_s_assumed"]
+            for case, c in r["cases"].items():
+                hsx, plain = c["runs"][c["hsx_path"]], c["runs"]["plain apply_chat_template"]
+                row("tokenize", f"{case.split()[0]} {c['hsx_path']}, {hsx['tokens_per_row']:.0f} tok/row: rows/s (tok/s)",
+                    f"{hsx['rows_per_s']:.0f} ({hsx['tokens_per_s'] / 1000:.0f}k)")
+                row("", f"  x plain apply_chat_template ({plain['rows_per_s']:.0f} rows/s)", f"{c['hsx_vs_plain']:.2f}")
+                row("", f"  8-GPU server at {low // 1000}-{high // 1000}k tok/s: "
+                        f"{c['server_8gpu']['low_rows_per_s']:.0f}-{c['server_8gpu']['high_rows_per_s']:.0f} rows/s, cores",
+                    f"{c['cores_needed_at_high']:.2f}", "< 1")
     lines.append("=" * 100)
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="run hsx's benchmarks")
-    p.add_argument("--only", default="b1,b2,b3,b4,memory,hook_writer", help="comma-separated subset")
+    p.add_argument("--only", default="b1,b2,b3,b4,memory,hook_writer,tokenize", help="comma-separated subset")
     args = p.parse_args(argv)
     table = benchmarks()
     wanted = [n.strip() for n in args.only.split(",") if n.strip()]

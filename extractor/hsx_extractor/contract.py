@@ -40,8 +40,10 @@ class ProgressReport(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     samplesTotal: int = 0
-    # Finished samples: written to a shard or quarantined (samplesQuarantined of them).
+    # Finished samples: written to a shard (samplesWritten) or quarantined (samplesQuarantined);
+    # done = written + quarantined.
     samplesDone: int = 0
+    samplesWritten: int = 0
     samplesQuarantined: int = 0
     tokensDone: int = 0
     samplesPerSecond: float = 0.0
@@ -72,6 +74,7 @@ class ProgressReport(BaseModel):
 PROGRESS_COUNTERS = (
     "samplesTotal",
     "samplesDone",
+    "samplesWritten",
     "samplesQuarantined",
     "tokensDone",
     "bytesCommitted",

@@ -113,10 +113,16 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "description": "Samples processed, %.",
     },
     {
-        "name": "Samples",
+        "name": "Written",
         "type": "integer",
-        "jsonPath": ".status.progress.samplesDone",
-        "description": "Samples done.",
+        "jsonPath": ".status.progress.samplesWritten",
+        "description": "Samples written to a shard.",
+    },
+    {
+        "name": "Quarantined",
+        "type": "integer",
+        "jsonPath": ".status.progress.samplesQuarantined",
+        "description": "Samples set aside with a reason (hsx verify lists them).",
     },
     {
         "name": "Tok/s",

@@ -117,6 +117,8 @@ def start_run(prior: ExtractionJobStatus, spec: ExtractionJobSpec, xj_name: str)
                 startTime=prior.startTime,
                 completionTime=prior.completionTime,
                 samplesDone=prior.progress.samplesDone,
+                samplesWritten=prior.progress.samplesWritten,
+                samplesQuarantined=prior.progress.samplesQuarantined,
             )
         )
     fresh = ExtractionJobStatus(
@@ -154,6 +156,9 @@ def merge_replica(
             base[key] = getattr(report, key)
     if "lastError" in given:
         base["lastError"] = (report.lastError or "")[:4096]
+    if "samplesWritten" not in given and "samplesDone" in given:
+        # An extractor from before samplesWritten: what it finished and did not quarantine was written.
+        base["samplesWritten"] = max(base["samplesDone"] - base.get("samplesQuarantined", 0), 0)
     return ReplicaStatus.model_validate(base)
 
 
@@ -311,7 +316,12 @@ def _active(
         _set(status, Phase.PENDING, Reason.PODS_PENDING, "waiting for the Job to create pods")
     elif seen.all_ready:
         p = aggregate(status.replicas, True, None)
-        done = f"{p.samplesDone}/{p.samplesTotal} samples" if p.samplesTotal else "planning the run"
+        done = (
+            f"{p.samplesDone}/{p.samplesTotal} samples ({p.samplesWritten} written, "
+            f"{p.samplesQuarantined} quarantined)"
+            if p.samplesTotal
+            else "planning the run"
+        )
         message = f"{len(active)} server(s) ready; {done}"
         _set(status, Phase.RUNNING, Reason.EXTRACTING, message)
         status.serverReadyTime = status.serverReadyTime or rfc3339(now)

@@ -92,9 +92,10 @@ class Progress(_Status):
     samplesTotal: int = Field(default=0, description="Samples in the dataset (after limit).")
     samplesDone: int = Field(
         default=0,
-        description="Samples finished: written to a shard or quarantined (samplesQuarantined of them); "
-        "equals samplesTotal when the run is done.",
+        description="Samples finished: samplesWritten plus samplesQuarantined; equals samplesTotal when the "
+        "run is done.",
     )
+    samplesWritten: int = Field(default=0, description="Of samplesDone, the samples written to a shard.")
     samplesQuarantined: int = Field(
         default=0, description="Of samplesDone, the samples set aside with a reason instead of written."
     )
@@ -131,6 +132,7 @@ class ReplicaStatus(_Status):
     )
     samplesTotal: int = Field(default=0, description="Samples assigned to this replica.")
     samplesDone: int = Field(default=0, description="Samples this replica finished (written or quarantined).")
+    samplesWritten: int = Field(default=0, description="Of samplesDone, those written to a shard.")
     samplesQuarantined: int = Field(default=0, description="Of samplesDone, those quarantined.")
     tokensDone: int = Field(default=0, description="Tokens this replica has done.")
     samplesPerSecond: float = Field(default=0.0, description="This replica's sample rate.")
@@ -166,6 +168,8 @@ class RunRecord(_Status):
         default=None, description="When the run ended.", json_schema_extra={"format": "date-time"}
     )
     samplesDone: int = Field(default=0, description="Samples the run did.")
+    samplesWritten: int = Field(default=0, description="Of samplesDone, those written to a shard.")
+    samplesQuarantined: int = Field(default=0, description="Of samplesDone, those quarantined.")
 
 
 class ExtractionJobStatus(_Status):

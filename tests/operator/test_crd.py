@@ -95,7 +95,9 @@ def test_printer_columns() -> None:
     crd = yaml.safe_load((ROOT / "crds" / crdgen.CRD_FILE).read_text())
     version = crd["spec"]["versions"][0]
     cols = {c["name"]: c for c in version["additionalPrinterColumns"]}
-    assert list(cols) == ["Phase", "Reason", "Progress", "Samples", "Tok/s", "ETA", "Age", "Run", "Attempt"]
+    assert list(cols) == [
+        "Phase", "Reason", "Progress", "Written", "Quarantined", "Tok/s", "ETA", "Age", "Run", "Attempt"
+    ]
     assert all(cols[n].get("priority") == 1 for n in ("Run", "Attempt"))
     assert "priority" not in cols["Reason"]  # shown by default: Pending alone does not say why
     assert version["subresources"] == {"status": {}}

@@ -281,6 +281,6 @@ def test_explain_reads_well(xj_crd: Any) -> None:
 def test_printer_columns_on_the_server(xj_crd: Any, namespace: str) -> None:
     xj_crd.kubectl("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(VALID))
     narrow = xj_crd.kubectl("get", "xj", "-n", namespace).stdout.splitlines()[0].split()
-    assert narrow == ["NAME", "PHASE", "REASON", "PROGRESS", "SAMPLES", "TOK/S", "ETA", "AGE"]
+    assert narrow == ["NAME", "PHASE", "REASON", "PROGRESS", "WRITTEN", "QUARANTINED", "TOK/S", "ETA", "AGE"]
     wide = xj_crd.kubectl("get", "xj", "-n", namespace, "-o", "wide").stdout.splitlines()
     assert wide[0].split()[-2:] == ["RUN", "ATTEMPT"] and "r1" in wide[1]

@@ -173,6 +173,32 @@ def test_final_progress_is_read_from_the_termination_message() -> None:
     )
 
 
+def test_written_and_quarantined_are_shown_apart_from_reports_to_history() -> None:
+    p0 = pod_json("xj-r1-0-a", index=0, server=SERVER_READY, extractor=EXTRACTOR_RUNNING)
+    p1 = pod_json("xj-r1-1-b", index=1, server=SERVER_READY, extractor=EXTRACTOR_RUNNING)
+    reports = {
+        "xj-r1-0-a": {"samplesTotal": 50, "samplesDone": 20, "samplesWritten": 17, "samplesQuarantined": 3},
+        # An extractor from before samplesWritten: it finished 25, of which 4 quarantined.
+        "xj-r1-1-b": {"samplesTotal": 50, "samplesDone": 25, "samplesQuarantined": 4},
+    }
+    st = run(job=job_json(), pods=[p0, p1], progress=reports).status
+    assert [(r.samplesDone, r.samplesWritten, r.samplesQuarantined) for r in st.replicas] == [(20, 17, 3), (25, 21, 4)]
+    p = st.progress
+    assert (p.samplesDone, p.samplesWritten, p.samplesQuarantined) == (45, 38, 7)
+    assert st.phase == "Running" and "45/100 samples (38 written, 7 quarantined)" in st.message
+    dumped = st.model_dump()["progress"]
+    assert dumped["samplesWritten"] == 38 and dumped["samplesQuarantined"] == 7  # the printer columns' paths
+    # The final report of a finished pod (its termination message) splits them the same way.
+    term = {"state": {"terminated": {"exitCode": 0, "message": (
+        '{"samplesTotal": 10, "samplesDone": 10, "samplesWritten": 8, "samplesQuarantined": 2, "state": "succeeded"}'
+    )}}}  # fmt: skip
+    done_job = job_json(conditions=[{"type": "Complete", "status": "True"}], completion_time="2026-12-02T10:04:00Z")
+    done = run(job=done_job, pods=[pod_json(phase="Succeeded", extractor=term)]).status
+    assert (done.progress.samplesWritten, done.progress.samplesQuarantined, done.progress.percent) == (8, 2, 100)
+    record = run(spec=make_spec(runId="r2"), prior=done, generation=2).status.history[-1]
+    assert (record.samplesDone, record.samplesWritten, record.samplesQuarantined) == (10, 8, 2)
+
+
 def test_terminal_run_is_sticky_even_when_its_job_is_gone() -> None:
     done = run(job=job_json(conditions=[{"type": "Complete", "status": "True"}])).status
     later = run(prior=done, job=None, now=NOW + timedelta(hours=1), generation=2)

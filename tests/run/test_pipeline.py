@@ -254,7 +254,8 @@ def test_progress_and_metrics_serve_the_run_numbers(tmp_path: Path, ref_server: 
     bytes_stored = sum(c.bytes_stored for c in result.commits)
     assert after["state"] == "succeeded" and after["runId"] == "run" and after["replicaIndex"] == 0
     assert after["samplesTotal"] == after["samplesDone"] == 12
-    assert after["samplesQuarantined"] == 5
+    assert after["samplesQuarantined"] == 5 and after["samplesWritten"] == 7  # apart: 7 + 5 = 12 done
+    assert during["samplesWritten"] + during["samplesQuarantined"] == during["samplesDone"]
     assert after["quarantinedByReason"] == {"empty_messages": 1, "invalid_json": 1, "non_finite": 3}
     assert after["tokensDone"] == tokens and after["tokensPerSecond"] > 0
     assert after["shardsCommitted"] == after["shardsTotal"] == 1
@@ -287,6 +288,7 @@ def test_final_progress_is_left_as_the_termination_message(tmp_path: Path, ref_s
     final = json.loads(message.read_text())
     assert code == EXIT_OK and final["state"] == "succeeded"
     assert final["samplesDone"] == final["samplesTotal"] == 5 and final["samplesQuarantined"] == 1
+    assert final["samplesWritten"] == 4
     assert final["shardsCommitted"] == final["shardsTotal"] and final["bytesCommitted"] > 0
 
     failed = base_config(
@@ -301,6 +303,18 @@ def test_final_progress_is_left_as_the_termination_message(tmp_path: Path, ref_s
     final = json.loads(message.read_text())
     assert final["state"] == "failed" and "tokenizer fingerprint mismatch" in final["lastError"]
     assert len(message.read_bytes()) <= 4096
+
+
+def test_a_resumed_run_counts_written_and_quarantined_apart(tmp_path: Path, ref_server: RefServer) -> None:
+    """Shards committed before a restart count as done, split as their commit records say."""
+    cfg = base_config(tmp_path, ref_server, write_jsonl(tmp_path / "d.jsonl", [*chat_rows(4), "not json"]))
+    assert run(cfg)[0] == EXIT_OK
+    code, _, progress = run(cfg)  # everything is committed: all of it is resumed
+    assert code == EXIT_OK and progress.samples_resumed == progress.samples_done == 5
+    report = progress.report()
+    assert (report.samplesWritten, report.samplesQuarantined) == (4, 1)
+    assert "written=4 quarantined=1" in progress.log_line()
+    assert progress.quarantine_summary() == "written 4, quarantined 1: invalid_json 1"
 
 
 def test_server_with_another_vocab_fails_at_start(tmp_path: Path, ref_server: RefServer) -> None:

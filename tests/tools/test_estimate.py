@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 
 from hsx_extractor.model import ModelConfigError, model_dims
 from hsx_extractor.storage import shard_format as shards
+from hsx_extractor.storage.commit_record import ShardCommit
 from hsx_extractor.tools.estimate import (
     DEFAULT_RATIOS,
     EstimateError,
@@ -18,6 +20,7 @@ from hsx_extractor.tools.estimate import (
     add_estimate_command,
     estimate_storage,
     format_estimate,
+    trial_ratio,
 )
 
 H, K = 64, 3
@@ -92,6 +95,74 @@ def test_compressed_estimate_matches_a_real_shard_given_the_measured_ratio() -> 
     assert 1.0 < ratio < 2.0  # the codec really compressed, and the raw low byte bounds it
     est = estimate_storage(rows_of(records), H, K, "bf16-zstd", 1 << 30, ratio=ratio)
     assert abs(est.stored_bytes - actual) <= 0.01 * actual, (est.stored_bytes, actual)
+
+
+def test_a_trial_ratio_from_the_manifest_is_applied_to_the_bytes_it_was_measured_on() -> None:
+    """A trial's manifest reports bytesRaw (every tensor, raw) / bytesStored (the shard objects, headers
+    and padding included). Applied to the same bytes of the estimate, it gives the shard back."""
+    from hsx_extractor.storage.manifest import build_manifest
+
+    records = random_records(40, seed=2)
+    encoded = [shards.encode_sample(r, shards.COMPRESSION_CODECS["bf16-zstd"]) for r in records]
+    header, placed = shards.layout_shard(0, [e.entry for e in encoded])
+    stored = len(header) + sum(e.length for e in placed)  # what the store uploads (SpooledObject.size)
+    raw = sum(r.input_ids.nbytes + r.loss_mask.nbytes + r.aux_hidden_states.nbytes + r.hidden_states.nbytes
+              for r in records)  # fmt: skip
+    commit = ShardCommit(0, len(placed), 0, stored, raw, "shards/x", "0" * 16)
+    ratio = build_manifest("trial", "bf16-zstd", [commit], {})["compression"]["ratio"]
+    assert ratio == round(raw / stored, 4)
+
+    est = estimate_storage(rows_of(records), H, K, "bf16-zstd", 1 << 30, ratio=ratio, ratio_basis="shards")
+    assert est.tensor_bytes == raw
+    outside = est.index_bytes - est.header_bytes  # commit record, plan, manifest: never in a shard
+    assert est.stored_bytes == math.ceil(raw / ratio) + outside
+    # The shard part is the real shard, up to the 4 digits the manifest rounds the ratio to.
+    assert abs((est.stored_bytes - outside) - stored) <= stored * 1e-4, (est.stored_bytes - outside, stored)
+    # The same number used as a hidden-state ratio (the default basis) misses: ids, masks and headers
+    # were in the trial's bytes, so dividing the hidden states alone by it counts them twice over.
+    as_hidden = estimate_storage(rows_of(records), H, K, "bf16-zstd", 1 << 30, ratio=ratio)
+    assert as_hidden.stored_bytes - as_hidden.index_bytes + as_hidden.header_bytes - stored > 0.01 * stored
+
+
+def test_the_cli_takes_a_ratio_as_measured_on_shards_unless_told(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["estimate", "--tokens", "100000", "--samples", "50", "--hidden-size", "64", "--num-layers", "8",
+            "--json", "--compression-ratio", "1.25"]  # fmt: skip
+    _, out = run_cli(argv, capsys)
+    body = json.loads(out)
+    assert body["ratioMeasuredOn"] == "shards"
+    assert body["tensorBytes"] == body["hiddenBytes"] + 100_000 * 5
+    assert body["storedBytes"] == -(-body["tensorBytes"] * 4 // 5) + body["indexBytes"] - body["headerBytes"]
+    _, out = run_cli([*argv, "--ratio-measured-on", "hidden"], capsys)
+    body = json.loads(out)
+    assert body["ratioMeasuredOn"] == "hidden"
+    assert body["storedBytes"] == -(-body["hiddenBytes"] * 4 // 5) + body["tokenBytes"] + body["indexBytes"]
+    _, out = run_cli(argv[:-2], capsys)
+    assert json.loads(out)["ratioMeasuredOn"] == "hidden"  # the default ratio is a hidden-state one
+
+
+def test_a_trial_run_gives_its_hidden_state_ratio_to_the_hidden_states(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hsx_extractor.config import OutputSpec
+    from hsx_extractor.storage.store import open_store
+    from tests.storage.samples import plan_for, record, seq_len_of, write_run
+
+    output = OutputSpec.model_validate({"uri": str(tmp_path / "out"), "compression": "bf16-zstd"})
+    write_run(open_store(output, "trial"), plan_for(12, 5), quarantine=frozenset({3}))
+    # Independently: the same samples encoded with the codec, their BF16 tensors' raw and stored bytes.
+    encoded = [shards.encode_sample(record(i, seq_len_of(i)), shards.COMPRESSION_CODECS["bf16-zstd"])
+               for i in range(12) if i != 3]  # fmt: skip
+    bf16 = [t for e in encoded for t in e.entry.tensors if t.dtype == "BF16"]
+    expected = sum(t.raw_length for t in bf16) / sum(t.length for t in bf16)
+    assert trial_ratio(str(tmp_path / "out" / "trial")) == (pytest.approx(expected), 11)
+    argv = ["estimate", "--tokens", "100000", "--samples", "50", "--hidden-size", "64", "--num-layers", "8",
+            "--json", "--trial", str(tmp_path / "out" / "trial")]  # fmt: skip
+    code, out = run_cli(argv, capsys)
+    body = json.loads(out)
+    assert code == 0 and body["ratioMeasuredOn"] == "hidden" and body["assumedRatio"] == pytest.approx(expected)
+    assert body["storedBytes"] == math.ceil(body["hiddenBytes"] / body["assumedRatio"]) + body["tokenBytes"] + body["indexBytes"]
+    code, out = run_cli([*argv[:-1], str(tmp_path / "out" / "none")], capsys)
+    assert code == 2 and "no committed shard" in out and "Traceback" not in out
 
 
 def test_rejected_and_duplicate_rows_write_no_hidden_states() -> None:

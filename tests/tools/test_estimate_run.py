@@ -69,7 +69,7 @@ def bytes_on_disk(run_dir: Path) -> int:
 
 
 def estimate(
-    model: Path, compression: str, ratio: float | None = None, limit: int | None = None
+    model: Path, compression: str, ratio: float | None = None, limit: int | None = None, trial: Path | None = None
 ) -> dict[str, Any]:
     argv = [
         "estimate", "--dataset", str(example_dataset_path()), "--model", str(model), "--compression", compression,
@@ -79,6 +79,8 @@ def estimate(
         argv += ["--compression-ratio", str(ratio)]
     if limit is not None:
         argv += ["--limit", str(limit)]
+    if trial is not None:
+        argv += ["--trial", str(trial)]
     result = hsx(*argv)
     assert result.returncode == 0, result.stdout + result.stderr
     return dict(json.loads(result.stdout))
@@ -115,13 +117,22 @@ def test_a_trial_run_ratio_predicts_the_compressed_run(
     server: tuple[str, Path], model: Path, tmp_path: Path
 ) -> None:
     trial = extract(server, model, tmp_path, "trial", "bf16-zstd", limit=10)
-    ratio = hidden_state_ratio(trial)
+    # The ratio a user reads off the trial (hsx verify prints the same): raw tensors / stored shards.
+    ratio = json.loads((trial / "manifest.json").read_text())["compression"]["ratio"]
     assert 1.0 < ratio < 2.0
     full = extract(server, model, tmp_path, "full", "bf16-zstd")
     est = estimate(model, "bf16-zstd", ratio=ratio)
+    assert est["ratioMeasuredOn"] == "shards"
     actual = bytes_on_disk(full)
     print(
-        f"bf16-zstd: trial ratio {ratio:.3f} (full run {hidden_state_ratio(full):.3f}); estimated {est['storedBytes']} B, written {actual} B; raw estimate {est['rawBytes']} B"
+        f"bf16-zstd: trial manifest ratio {ratio:.4f}; estimated {est['storedBytes']} B, written {actual} B; "
+        f"raw estimate {est['rawBytes']} B"
     )
     assert abs(est["storedBytes"] - actual) <= TOLERANCE * actual, (est, actual)
     assert est["rawBytes"] > actual
+    # --trial reads the hidden states' own ratio off the trial's shard headers: closer still.
+    by_trial = estimate(model, "bf16-zstd", trial=trial)
+    assert by_trial["assumedRatio"] == pytest.approx(hidden_state_ratio(trial))
+    print(f"  --trial: hidden-state ratio {by_trial['assumedRatio']:.4f} (full run {hidden_state_ratio(full):.4f}): "
+          f"{by_trial['storedBytes']} B")
+    assert abs(by_trial["storedBytes"] - actual) <= TOLERANCE * actual, (by_trial, actual)

@@ -218,6 +218,7 @@ class Extraction:
             p.shards_committed += 1
             if commit is not None:
                 p.bytes_committed += commit.bytes_stored
+                p.samples_written += commit.samples
                 for q in commit.quarantine:
                     p.quarantined[q.reason] += 1
 

@@ -29,6 +29,7 @@ class Progress:
     state: ExtractorState = "starting"
     samples_total: int = 0
     samples_done: int = 0  # added to a shard or quarantined, resumed ones included
+    samples_written: int = 0  # of samples_done, added to a shard (the rest: sum of quarantined)
     samples_resumed: int = 0
     tokens_done: int = 0
     bytes_committed: int = 0
@@ -53,6 +54,7 @@ class Progress:
     # Updates: every change goes through these, so /metrics and /progress never disagree.
     def sample_done(self, tokens: int) -> None:
         self.samples_done += 1
+        self.samples_written += 1
         self.tokens_done += tokens
         self.metrics.samples.inc()
         self.metrics.tokens.inc(tokens)
@@ -102,6 +104,7 @@ class Progress:
         return ProgressReport(
             samplesTotal=self.samples_total,
             samplesDone=self.samples_done,
+            samplesWritten=self.samples_written,
             samplesQuarantined=sum(self.quarantined.values()),
             tokensDone=self.tokens_done,
             samplesPerSecond=round(samples_rate, 3),
@@ -129,7 +132,7 @@ class Progress:
     def quarantine_summary(self) -> str:
         """One line: how many samples were written and quarantined, the quarantined ones by reason."""
         total = sum(self.quarantined.values())
-        written = self.samples_done - total
+        written = self.samples_written
         by_reason = sorted(self.quarantined.items(), key=lambda kv: (-kv[1], kv[0]))
         reasons = f": {', '.join(f'{reason} {n}' for reason, n in by_reason)}" if total else ""
         return f"written {written}, quarantined {total}{reasons}"
@@ -139,7 +142,7 @@ class Progress:
         eta = "-" if s["etaSeconds"] is None else f"{s['etaSeconds']:.0f}s"
         return (
             f"hsx progress state={s['state']} samples={s['samplesDone']}/{s['samplesTotal']} "
-            f"quarantined={s['samplesQuarantined']} tokens={s['tokensDone']} "
+            f"written={s['samplesWritten']} quarantined={s['samplesQuarantined']} tokens={s['tokensDone']} "
             f"tok/s={s['tokensPerSecond']:.1f} shards={s['shardsCommitted']}/{s['shardsTotal']} "
             f"bytes={s['bytesCommitted']} in_flight={s['requestsInFlight']} eta={eta}"
         )
@@ -198,7 +201,7 @@ def _bar(progress: Progress, width: int = 30) -> str:
     filled = int(width * min(s["samplesDone"] / total, 1.0))
     return (
         f"\r[{'#' * filled}{'.' * (width - filled)}] {s['samplesDone']}/{s['samplesTotal']} "
-        f"q={s['samplesQuarantined']} {s['tokensPerSecond']:.0f} tok/s"
+        f"w={s['samplesWritten']} q={s['samplesQuarantined']} {s['tokensPerSecond']:.0f} tok/s"
     )
 
 

@@ -10,6 +10,7 @@ from the template too (masks.py). Content is text: a special-token string inside
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -136,15 +137,24 @@ class ChatTokenizer:
         self._backend = self._tok.backend_tokenizer
         # Control tokens: every added token but the whitespace-only ones (some vocabularies add runs
         # of spaces as tokens; those are text).
-        self.control = {
-            t.content: i for i, t in self._backend.get_added_tokens_decoder().items() if t.content.strip()
-        }
+        added = self._backend.get_added_tokens_decoder()
+        self.control = {t.content: i for i, t in added.items() if t.content.strip()}
         self.control_ids = frozenset(self.control.values())
+        # Added tokens the tokenizer cuts the raw text at before anything else (not normalized, nothing
+        # absorbed around them): what precedes one is encoded as if nothing followed (see _reuse_prefix).
+        self._cuts = {
+            i: t.content
+            for i, t in added.items()
+            if t.content.strip() and not (t.normalized or t.lstrip or t.rstrip or t.single_word)
+        }
+        self._longest_added = max((len(t.content) for t in added.values()), default=0)
+        self._reuse = False
         self._control_re = re.compile(alternation(self.control))
         self._template_vars = {k: v for k, v in self._tok.special_tokens_map.items() if v is not None}
         self._plain: Any = None  # the tokenizer without control tokens (built on first use)
         self._piece_prefix: str | None = None
         self._bos: int | None = self._probe_bos()
+        self._reuse = self._reuse_holds()
 
     # ---- what the dataset needs ------------------------------------------------------------
     @property
@@ -213,15 +223,86 @@ class ChatTokenizer:
         return texts[0], ([(int(s[0]), int(s[1])) for s in spans[0]] if spans else [])
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool, track: bool = False
+        self,
+        messages: list[dict[str, Any]],
+        tools: Any,
+        add_generation_prompt: bool,
+        track: bool = False,
+        reference: masks.Encoded | None = None,
     ) -> masks.Encoded:
+        """The rendered, tokenized conversation. With ``reference`` (a tracked, plain encoding of a
+        longer rendering) the tokens it shares are reused where that is exact (``_reuse_prefix``)."""
         text, spans = self.render_text(messages, tools, add_generation_prompt, track)
         as_text = self._content_positions(messages, tools, add_generation_prompt, text) if self.mode == "text" else set()
         if not as_text:
+            reused = self._reuse_prefix(text, reference, track) if reference is not None and self._reuse else None
+            if reused is not None:
+                return masks.Encoded(reused[0], reused[1], spans, text, True)
             enc = self._backend.encode(text, add_special_tokens=False)
-            return masks.Encoded(list(enc.ids), list(enc.offsets) if track else [], spans)
+            return masks.Encoded(list(enc.ids), list(enc.offsets) if track else [], spans, text, True)
         ids, offsets = self._encode_keeping_text(text, as_text)
-        return masks.Encoded(ids, offsets, spans)
+        return masks.Encoded(ids, offsets, spans, text)
+
+    # ---- prefix renders reuse the whole conversation's tokens -------------------------------
+    def _reuse_prefix(
+        self, text: str, ref: masks.Encoded, track: bool
+    ) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """``text``'s tokens as ``ref``'s up to a cut token both texts share, then ``text`` from that
+        token on encoded alone; None where no such token is found (the caller encodes all of it).
+
+        Exact because the tokenizer splits the raw text at such a token (``self._cuts``) before it
+        normalizes or pre-tokenizes, and encodes each piece on its own: the pieces before it are the
+        same strings in both texts, matched the same way (where ``text`` departs from ``ref.text``, the
+        token starts at least the longest added token's length before the departure, so no added
+        token of ``text`` can reach back over it). The rest is encoded from the cut token on, so the
+        piece after it is still a piece that follows a token (SentencePiece's prefix space)."""
+        if not ref.plain or not ref.offsets or len(ref.offsets) != len(ref.ids):
+            return None
+        if ref.text.startswith(text):
+            limit = len(text)
+        else:
+            lo, hi = 0, min(len(text), len(ref.text))  # longest common prefix, by halving
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if text[:mid] == ref.text[:mid]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            limit = lo - self._longest_added
+        i = bisect.bisect_right(ref.offsets, limit, key=lambda o: o[1]) - 1
+        while i >= 0 and ref.ids[i] not in self._cuts:
+            i -= 1
+        if i < 1:
+            return None
+        start, end = ref.offsets[i]
+        if end > limit or ref.text[start:end] != self._cuts[ref.ids[i]]:
+            return None
+        tail = self._backend.encode(text[start:], add_special_tokens=False)
+        if not tail.ids or tail.ids[0] != ref.ids[i] or tail.offsets[0] != (0, end - start):
+            return None
+        ids = ref.ids[:i] + list(tail.ids)
+        offsets = ref.offsets[:i] + [(a + start, b + start) for a, b in tail.offsets] if track else []
+        return ids, offsets
+
+    def _reuse_holds(self) -> bool:
+        """Whether reused prefixes agree with whole encodes on a probe (a tokenizer unlike the ones
+        ``_reuse_prefix`` reasons about encodes every render in full)."""
+        if not self.chat_template or not self._cuts:
+            return False
+        try:
+            whole = self.encode_chat(PROBE, None, False, track=True)
+            for probe, agp in ((PROBE[:1], True), (PROBE, False)):
+                self._reuse = True
+                fast = self.encode_chat(probe, None, agp, track=True, reference=whole)
+                self._reuse = False
+                slow = self.encode_chat(probe, None, agp, track=True)
+                if (fast.ids, fast.offsets) != (slow.ids, slow.offsets):
+                    return False
+        except RowRefused:
+            return False
+        finally:
+            self._reuse = False
+        return True
 
     # ---- content stays text ------------------------------------------------------------------
     def _content_positions(self, messages: Any, tools: Any, agp: bool, text: str) -> set[int]:

@@ -9,6 +9,12 @@ The rest (shard headers, commit records, plan) is computed by laying the shards 
 format's own functions (run/plan.py, storage/shard_format.py), so it is exact up to the digits of the numbers in it.
 The compression ratio depends on the model's activations: the estimate prints the raw size and
 the stored size under a stated ratio; a trial run with ``dataset.limit`` measures the real one.
+A ratio is applied to the bytes it was measured on. The default (``DEFAULT_RATIOS``) was measured
+on hidden states alone and divides the hidden-state bytes. A trial's ratio, as its manifest.json
+(``compression.ratio``) and ``hsx verify`` report it, is raw tensor bytes (hidden states, ids, loss
+masks) over the stored shard objects (headers and padding included), so it divides the estimated
+raw tensor bytes and stands for the whole shards; commit records, plan and manifest are added after.
+``--trial RUN`` reads the trial's shard headers instead and measures the hidden states' own ratio.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hsx_extractor.model import ModelConfigError, ModelDims, capture_layers, model_dims, read_model_config
 from hsx_extractor.run.plan import build_plan
@@ -52,6 +58,9 @@ PER_SHARD_MANIFEST_BYTES = 256
 PER_QUARANTINED_BYTES = 160
 # Shard headers are laid out for this many samples; beyond, their size is scaled.
 _SIMULATE_SAMPLES = 20_000
+# What a compression ratio was measured on: hidden-state tensors alone (the default ratios, the
+# compression benchmark), or whole shards (a trial run's manifest.json compression.ratio).
+RatioBasis = Literal["hidden", "shards"]
 
 
 class EstimateError(ValueError):
@@ -89,7 +98,14 @@ class StorageEstimate:
     token_bytes: int  # ids, loss masks and per-sample padding
     index_bytes: int  # shard headers, commit records, plan, manifest
     compression: str
-    assumed_ratio: float  # raw / stored for hidden states under `compression`
+    assumed_ratio: float  # raw / stored under `compression`, of the bytes `ratio_basis` names
+    header_bytes: int = 0  # of index_bytes, the shard headers (inside the shard objects)
+    ratio_basis: RatioBasis = "hidden"
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Raw bytes of every stored tensor (hidden states, ids, loss masks): a manifest's bytesRaw."""
+        return self.hidden_bytes + self.tokens * (TOKEN_ID_BYTES + LOSS_MASK_BYTES)
 
     @property
     def raw_bytes(self) -> int:
@@ -98,7 +114,12 @@ class StorageEstimate:
 
     @property
     def stored_bytes(self) -> int:
-        """What the run writes under ``compression`` if hidden states shrink by ``assumed_ratio``."""
+        """What the run writes under ``compression``, the ratio applied to the bytes it was measured on:
+        the hidden states (basis ``hidden``), or the raw tensor bytes, giving the shard objects whole
+        (basis ``shards``: what a trial's manifest reports, headers and padding in its stored bytes)."""
+        if self.ratio_basis == "shards":
+            outside = self.index_bytes - self.header_bytes  # commit records, plan, manifest
+            return math.ceil(self.tensor_bytes / self.assumed_ratio) + outside
         return math.ceil(self.hidden_bytes / self.assumed_ratio) + self.token_bytes + self.index_bytes
 
 
@@ -136,8 +157,11 @@ def _sample_entry(
     return SampleEntry(index, sample_id, 0, padded, length, "0" * 16, tuple(tensors))
 
 
-def _shard_index_bytes(shard: int, entries: Sequence[SampleEntry], quarantined: Sequence[int]) -> int:
-    """Header bytes plus commit-record bytes of one shard, built with the format's own code."""
+def _shard_index_bytes(
+    shard: int, entries: Sequence[SampleEntry], quarantined: Sequence[int]
+) -> tuple[int, int]:
+    """Header bytes, and the bytes of its commit record and manifest lines, of one shard, built with
+    the format's own code."""
     header, placed = layout_shard(shard, entries)
     commit = ShardCommit(
         shard_index=shard,
@@ -151,7 +175,7 @@ def _shard_index_bytes(shard: int, entries: Sequence[SampleEntry], quarantined: 
         quarantine=tuple(QuarantineEntry(i, None, "", "") for i in quarantined),
     )
     record = json.dumps(commit.to_json(), separators=(",", ":"))
-    return len(header) + len(record) + len(quarantined) * PER_QUARANTINED_BYTES + PER_SHARD_MANIFEST_BYTES
+    return len(header), len(record) + len(quarantined) * PER_QUARANTINED_BYTES + PER_SHARD_MANIFEST_BYTES
 
 
 def estimate_storage(
@@ -161,8 +185,12 @@ def estimate_storage(
     compression: str,
     shard_target_bytes: int,
     ratio: float | None = None,
+    ratio_basis: RatioBasis = "hidden",
 ) -> StorageEstimate:
-    """The storage a run over ``rows`` writes. Pure."""
+    """The storage a run over ``rows`` writes. Pure.
+
+    ``ratio`` (default: ``DEFAULT_RATIOS``, measured on hidden states) was measured on the bytes
+    ``ratio_basis`` names: ``hidden`` states alone, or whole ``shards`` (a trial's manifest ratio)."""
     if hidden_size < 1 or num_aux_layers < 1:
         raise EstimateError("hidden_size and the number of aux layers must be >= 1")
     assumed = _check_ratio(compression, ratio)
@@ -177,7 +205,7 @@ def estimate_storage(
     tokens = sum(rows.lengths[i] or 0 for i in written)
     hidden = tokens * (num_aux_layers + 1) * hidden_size * BF16_BYTES
     # Lay shards out one by one; past _SIMULATE_SAMPLES samples the rest is scaled (it is < 0.1% of the data).
-    shard_bytes = padding = simulated = 0
+    headers = records = padding = simulated = 0
     for k, (start, end) in enumerate(plan.shards):
         if simulated >= _SIMULATE_SAMPLES:
             break
@@ -189,13 +217,16 @@ def estimate_storage(
             )
             for i in members
         ]
-        shard_bytes += _shard_index_bytes(k, entries, rejected)
+        header, record = _shard_index_bytes(k, entries, rejected)
+        headers += header
+        records += record
         padding += sum(e.length - sum(t.length for t in e.tensors) for e in entries)
         simulated += max(1, len(members))
     if simulated and simulated < len(written):
-        shard_bytes = shard_bytes * len(written) // simulated
+        headers = headers * len(written) // simulated
+        records = records * len(written) // simulated
         padding = padding * len(written) // simulated
-    index = PER_RUN_BYTES + len(json.dumps(plan.to_json(), separators=(",", ":"))) + shard_bytes
+    index = PER_RUN_BYTES + len(json.dumps(plan.to_json(), separators=(",", ":"))) + headers + records
     return StorageEstimate(
         samples=len(written),
         tokens=tokens,
@@ -208,6 +239,8 @@ def estimate_storage(
         index_bytes=index,
         compression=compression,
         assumed_ratio=assumed,
+        header_bytes=headers,
+        ratio_basis=ratio_basis if compression != "none" else "hidden",
     )
 
 
@@ -236,11 +269,17 @@ def format_estimate(est: StorageEstimate) -> str:
     ]
     if est.compression == "none":
         lines.append(f"stored    {human_bytes(est.stored_bytes)} (compression none: stored = raw)")
+    elif est.ratio_basis == "shards":
+        lines.append(
+            f"stored    {human_bytes(est.stored_bytes)} ({est.stored_bytes:,} B with {est.compression}: "
+            f"{est.tensor_bytes:,} B of tensors / {est.assumed_ratio:.4g}x, the trial's ratio of raw tensor "
+            f"bytes to stored shards, + {est.index_bytes - est.header_bytes:,} B commit records, plan, manifest)"
+        )
     else:
         lines.append(
             f"stored    {human_bytes(est.stored_bytes)} ({est.stored_bytes:,} B with {est.compression}, "
             f"assuming {est.assumed_ratio:.2f}x on hidden states; measure yours with a trial run and pass "
-            "--compression-ratio)"
+            "its manifest's compression.ratio (hsx verify prints it) as --compression-ratio)"
         )
     return "\n".join(lines)
 
@@ -257,9 +296,12 @@ def estimate_to_json(est: StorageEstimate) -> dict[str, Any]:
         "hiddenBytes": est.hidden_bytes,
         "tokenBytes": est.token_bytes,
         "indexBytes": est.index_bytes,
+        "headerBytes": est.header_bytes,
         "rawBytes": est.raw_bytes,
         "compression": est.compression,
         "assumedRatio": est.assumed_ratio,
+        "ratioMeasuredOn": est.ratio_basis,
+        "tensorBytes": est.tensor_bytes,
         "storedBytes": est.stored_bytes,
     }
 
@@ -278,6 +320,30 @@ def rows_from_samples(samples: Iterable[Any]) -> Rows:
         lengths.append(s.length if ok else None)
         ids.append(s.sample_id if ok else None)
     return Rows(tuple(lengths), tuple(ids))
+
+
+def trial_ratio(run_uri: str) -> tuple[float, int]:
+    """Raw / stored bytes of the hidden-state (BF16) tensors of a trial run's committed shards, read
+    from their headers, and how many samples that is."""
+    from hsx_extractor.config import OutputSpec
+    from hsx_extractor.storage.layout import split_run_uri
+    from hsx_extractor.storage.store import open_store
+
+    output_uri, run_id = split_run_uri(run_uri.rstrip("/"))
+    store = open_store(OutputSpec.model_validate({"uri": output_uri}), run_id, writing=False)
+    raw = stored = samples = 0
+    try:
+        for k in sorted(store.committed_shards()):
+            for sample in store.read_header(k).samples:
+                samples += 1
+                for t in sample.tensors:
+                    if t.dtype == "BF16":
+                        raw, stored = raw + t.raw_length, stored + t.length
+    finally:
+        store.close()
+    if not stored:
+        raise EstimateError(f"{run_uri}: no committed shard with hidden states to measure a ratio on")
+    return raw / stored, samples
 
 
 def count_dataset(
@@ -339,8 +405,26 @@ def add_estimate_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--compression", choices=sorted(COMPRESSION_CODECS), default="bf16-zstd", help="output.compression"
     )
+    given = p.add_mutually_exclusive_group()
+    given.add_argument(
+        "--trial",
+        metavar="RUN",
+        help="a trial run of the same model ({output.uri}/{runId}, local or s3://): its hidden-state ratio, read "
+        "from its shard headers, is applied to the hidden states",
+    )
+    given.add_argument(
+        "--compression-ratio",
+        type=float,
+        help="the ratio a trial run measured: its manifest.json compression.ratio (hsx verify prints it), raw "
+        "tensor bytes over stored shard bytes; applied to the same bytes of this estimate (default: "
+        f"{DEFAULT_RATIOS['bf16-zstd']} on hidden states alone)",
+    )
     p.add_argument(
-        "--compression-ratio", type=float, help="hidden-state ratio to assume instead of the default"
+        "--ratio-measured-on",
+        choices=["shards", "hidden"],
+        default="shards",
+        help="what --compression-ratio was measured on: whole shards (a trial's manifest, the default) or "
+        "hidden-state tensors alone",
     )
     p.add_argument("--shard-target-bytes", type=int, default=1 << 30, help="output.shardTargetBytes")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -365,6 +449,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     from hsx_extractor.run.sources import DatasetError
     from hsx_extractor.run.tokens import TokenizerError
     from hsx_extractor.storage.backends import StoreError
+    from hsx_extractor.storage.layout import InvalidKeyError
 
     try:
         dims = _dims(args)
@@ -389,10 +474,24 @@ def run_estimate(args: argparse.Namespace) -> int:
         else:
             samples = args.samples if args.samples is not None else max(1, args.tokens // 2048)
             rows = Rows.uniform(samples, args.tokens)
+        ratio, basis = args.compression_ratio, args.ratio_measured_on
+        if args.trial:
+            ratio, measured = trial_ratio(args.trial)
+            basis = "hidden"
+            if not args.json:
+                print(f"trial     {args.trial}: hidden states {ratio:.4f}x over {measured:,} samples")
         est = estimate_storage(
-            rows, dims.hidden_size, num_aux, args.compression, args.shard_target_bytes, args.compression_ratio
+            rows,
+            dims.hidden_size,
+            num_aux,
+            args.compression,
+            args.shard_target_bytes,
+            ratio,
+            basis if ratio is not None else "hidden",
         )
-    except (EstimateError, ModelConfigError, DatasetError, TokenizerError, StoreError, OSError) as exc:
+    except (
+        EstimateError, ModelConfigError, DatasetError, TokenizerError, StoreError, InvalidKeyError, OSError
+    ) as exc:
         # What the user gave is wrong (a path, a tokenizer, a dataset): say so, no traceback.
         print(f"hsx estimate: error: {exc}")
         return 2
