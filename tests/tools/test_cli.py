@@ -137,7 +137,7 @@ def test_report_loop_writes_flushed_lines() -> None:
     asyncio.run(briefly())
     lines = stream.getvalue().splitlines()
     assert len(lines) >= 2 and Stream.flushes >= len(lines)
-    assert "samples=2/10 quarantined=1 tokens=5" in lines[0]
+    assert "samples=2/10 written=1 quarantined=1 tokens=5" in lines[0]
 
 
 def test_summary_lines() -> None:
