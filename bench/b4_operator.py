@@ -112,7 +112,7 @@ def run_b4(total: int = 200, sequential: int = 20) -> dict[str, Any]:
             env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "HSX_OPERATOR_POLL_SECONDS": POLL_SECONDS}
             with log.open("wb") as out:
                 op = subprocess.Popen([str(Path(sys.executable).parent / "hsx-operator"), "-n", ns,
-                                       "--metrics-port", "0"], env=env, stdout=out, stderr=subprocess.STDOUT)
+                                       "--metrics-port", "0", f"--allow-host-path={work}"], env=env, stdout=out, stderr=subprocess.STDOUT)
             try:
                 with PeakSampler(op.pid, interval=0.2) as peaks:
                     applied: dict[str, float] = {}

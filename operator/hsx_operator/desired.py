@@ -20,6 +20,7 @@ from hsx_extractor.contract import DATASET_CREDENTIALS_ENV, EXIT_PERMANENT
 from hsx_extractor.sglang_hook.launch import server_args, server_env
 from hsx_extractor.storage.layout import MANIFEST_NAME
 from hsx_operator.api import GROUP, KIND, VERSION, ExtractionJobSpec
+from hsx_operator.policy import under
 
 SERVER_CONTAINER = "sglang"
 EXTRACTOR_CONTAINER = "extractor"
@@ -182,6 +183,11 @@ def _local_dir(uri: str) -> str | None:
     return path if path.startswith("/") else None
 
 
+def _on_model_volume(spec: ExtractionJobSpec, path: str) -> bool:
+    """Whether ``path`` lies on the model volume (mounted at ``model.mountPath`` when a source is set)."""
+    return spec.model.source is not None and under(path, spec.model.mountPath)
+
+
 def _volumes(
     spec: ExtractionJobSpec, owner: Owner
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
@@ -214,13 +220,20 @@ def _volumes(
             mount["subPath"] = source.pvc.subPath
         server_mounts.append(mount)
         extractor_mounts.append(dict(mount))
-    # Local dataset/output paths (single-node clusters, demos) are mounted from the node.
+    # A local dataset under the model's mount is read from the model volume (a dataset beside the
+    # weights on one PVC); other local paths (single-node clusters, demos) are mounted from the node,
+    # if the admin's policy allows (policy.py).
     dataset_file = _local_dir(spec.dataset.uri)
-    if dataset_file is not None:
+    if dataset_file is not None and not _on_model_volume(spec, dataset_file):
         directory = posixpath.dirname(dataset_file)
         volumes.append({"name": "dataset", "hostPath": {"path": directory, "type": "Directory"}})
         extractor_mounts.append({"name": "dataset", "mountPath": directory, "readOnly": True})
     output_dir = _local_dir(spec.output.uri)
+    if output_dir is not None and _on_model_volume(spec, output_dir):
+        raise ValueError(
+            f"spec.output.uri {spec.output.uri} lies under model.mountPath {spec.model.mountPath}, "
+            "which is mounted read-only"
+        )
     if output_dir is not None:
         volumes.append({"name": "output", "hostPath": {"path": output_dir, "type": "DirectoryOrCreate"}})
         extractor_mounts.append({"name": "output", "mountPath": output_dir})

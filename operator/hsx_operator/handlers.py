@@ -36,9 +36,12 @@ from hsx_operator.desired import (
 )
 from hsx_operator.observe import Refusal, needs_job, observe
 from hsx_operator.pods import job_finished
+from hsx_operator.policy import NodeAccessPolicy, violations
 from hsx_operator.status import TERMINAL_PHASES, ExtractionJobStatus, Phase, Reason
 
 POLL_SECONDS = float(os.environ.get("HSX_OPERATOR_POLL_SECONDS", "5"))
+# The cluster admin's allow-lists; main() sets them from the command line before kopf runs.
+POLICY = NodeAccessPolicy()
 _locks: dict[str, threading.Lock] = {}
 _locks_guard = threading.Lock()
 log = logging.getLogger("hsx_operator")
@@ -233,6 +236,10 @@ def _create_run(
         manifest = desired_job(owner, xj, suspend=initial_suspend(xj))
     except ValueError as exc:  # the spec passed the CRD but cannot make a Job (launch.server_args' checks)
         return None, Refusal(Reason.INVALID_SPEC, f"{exc}; fix the spec and change runId", permanent=True)
+    denied = violations(manifest["spec"]["template"]["spec"], POLICY)
+    if denied:
+        message = "; ".join(denied) + "; then change runId to run again"
+        return None, Refusal(Reason.NOT_PERMITTED, message, permanent=True)
     for kind, obj in (("ConfigMap", config_map), ("Job", manifest)):
         try:
             created = cluster.create_or_read(owner, obj, kind)

@@ -30,6 +30,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--liveness", metavar="URL", help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz"
     )
+    parser.add_argument(
+        "--allow-host-path",
+        metavar="PREFIX",
+        action="append",
+        default=[],
+        help="let ExtractionJobs mount host paths at or under PREFIX (repeatable; none by default)",
+    )
+    parser.add_argument(
+        "--allow-priority-class",
+        metavar="NAME",
+        action="append",
+        default=[],
+        help="let ExtractionJobs use the system-* priority class NAME (repeatable; none by default)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
 
@@ -40,7 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         # One line per timer tick is noise; handler failures are logged as warnings and errors.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    from hsx_operator import handlers  # noqa: F401  (registers the handlers)
+    from hsx_operator import handlers  # registers the handlers
+    from hsx_operator.policy import NodeAccessPolicy
+
+    try:
+        handlers.POLICY = NodeAccessPolicy.of(args.allow_host_path, args.allow_priority_class)
+    except ValueError as exc:
+        build_parser().error(str(exc))
 
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_host)

@@ -51,6 +51,8 @@ class Reason(StrEnum):
     # The Job is suspended with no queue label while spec.suspend is false: the operator resumes it.
     JOB_SUSPENDED = "JobSuspended"
     INVALID_SPEC = "InvalidSpec"
+    # The pod would reach what the cluster admin's policy does not allow (a host path, a system priority class).
+    NOT_PERMITTED = "NotPermitted"
     # The API server refused the run's Job (or its ConfigMap) as invalid: a 400 or 422 answer.
     INVALID_JOB_SPEC = "InvalidJobSpec"
     # The API server refused to create the run's Job for another reason (a quota on Jobs, a webhook).

@@ -23,6 +23,8 @@ VALUE_SETS: dict[str, dict[str, str]] = {
         "peering.enabled": "true",
         "logLevel": "debug",
         "metrics.serviceMonitor.enabled": "true",
+        "policy.allowedHostPaths": "{/mnt/models,/data}",
+        "policy.allowedPriorityClasses": "{system-cluster-critical}",
     },
     "no-metrics-service": {
         "metrics.service.enabled": "false",
@@ -173,6 +175,10 @@ def test_the_operator_accepts_the_arguments_the_chart_passes() -> None:
         assert args.all_namespaces == (not args.namespace)
         assert args.verbose == (values.get("logLevel") == "debug")
         assert bool(args.peering) == (values.get("peering.enabled") == "true")
+        host_paths = values.get("policy.allowedHostPaths", "{}").strip("{}")
+        assert args.allow_host_path == [p for p in host_paths.split(",") if p], name
+        classes = values.get("policy.allowedPriorityClasses", "{}").strip("{}")
+        assert args.allow_priority_class == [c for c in classes.split(",") if c], name
 
 
 def rules_of(doc: dict[str, Any]) -> set[tuple[str, str]]:

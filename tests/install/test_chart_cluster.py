@@ -29,6 +29,8 @@ from tests.install.test_argocd_health import run_health
 pytestmark = pytest.mark.cluster
 
 OPERATOR = Path(sys.executable).parent / "hsx-operator"
+# The one host path the installed operator allows (the chart's policy.allowedHostPaths).
+MODEL_HOST_PATH = "/tmp/hsx-install-test-model"
 POLL_SECONDS = 1
 # How long a settled object must stay unwritten to count as settled: several operator polls.
 QUIET_SECONDS = 6 * POLL_SECONDS
@@ -98,6 +100,7 @@ def installed(kube_cluster: Any, node_agent: Any, crds: None) -> Iterator[Instal
             "--set", "rbac.namespaced=true",
             "--set", f"watchNamespaces={{{install.jobs_namespace}}}",
             "--set", f"pollSeconds={POLL_SECONDS}",
+            "--set", f"policy.allowedHostPaths={{{MODEL_HOST_PATH}}}",
             "--wait", "--timeout", "240s",
             kubeconfig=kube_cluster.kubeconfig,
         )  # fmt: skip
@@ -133,7 +136,7 @@ def extraction_job(name: str, namespace: str, run_id: str = "r1", **spec: Any) -
             "runId": run_id,
             "model": {
                 "path": "/models/tiny",
-                "source": {"hostPath": {"path": "/tmp/hsx-install-test-model"}},
+                "source": {"hostPath": {"path": MODEL_HOST_PATH}},
             },
             "server": {"gpus": 1},
             "dataset": {"uri": "/models/tiny/data.jsonl"},
@@ -188,6 +191,18 @@ def test_operator_from_the_chart_reconciles_an_extraction_job(kube_cluster: Any,
     assert status["phase"] in {"Pending", "Starting"}
     assert status["jobName"] == job["metadata"]["name"]
     assert run_health(get(kube_cluster, ns, "extractionjob", "first"))["status"] == "Progressing"
+
+
+def test_the_charts_policy_refuses_host_paths_it_does_not_list(kube_cluster: Any, installed: Install) -> None:
+    ns = installed.jobs_namespace
+    model = {"path": "/models/tiny", "source": {"hostPath": {"path": "/var/lib/kubelet"}}}
+    apply(kube_cluster, extraction_job("nodefs", ns, model=model))
+    status = settled(kube_cluster, ns, "nodefs", "Failed")["status"]
+    assert status["reason"] == "NotPermitted", status
+    assert f"host path /var/lib/kubelet, which the operator does not allow (allowed prefixes: {MODEL_HOST_PATH})" in (
+        status["message"]
+    )
+    assert jobs_of(kube_cluster, ns, "nodefs") == []
 
 
 def test_the_operator_has_no_rights_outside_its_namespaces(kube_cluster: Any, installed: Install) -> None:

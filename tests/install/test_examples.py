@@ -10,6 +10,8 @@ import pytest
 import yaml
 
 from hsx_operator.api import ExtractionJobSpec
+from hsx_operator.desired import Owner, desired_job
+from hsx_operator.policy import NodeAccessPolicy, violations
 from tests.install.chart import CHART, ROOT
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -52,6 +54,17 @@ def test_examples_use_the_secret_template_name() -> None:
         for doc in documents(path):
             if doc["kind"] == "ExtractionJob":
                 assert doc["spec"]["output"].get("credentialsSecret") == secret["metadata"]["name"], path.name
+
+
+def test_examples_run_under_the_charts_default_policy() -> None:
+    """No example needs a host path: the datasets sit on the model's PVC (read through its volume)."""
+    for path in EXAMPLES:
+        for doc in documents(path):
+            if doc["kind"] == "ExtractionJob":
+                spec = ExtractionJobSpec.model_validate(doc["spec"])
+                owner = Owner(name=doc["metadata"]["name"], namespace="ml", uid="u")
+                pod = desired_job(owner, spec)["spec"]["template"]["spec"]
+                assert violations(pod, NodeAccessPolicy()) == [], path.name
 
 
 @pytest.fixture(scope="module")

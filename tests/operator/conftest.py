@@ -170,12 +170,16 @@ def hsx_node(node_agent: Any, tiny_model: Path) -> Any:
 class OperatorProcess:
     """One `hsx-operator` subprocess watching one namespace, as the least-privilege user."""
 
-    def __init__(self, kubeconfig: Path, namespace: str, log: Path):
+    def __init__(self, kubeconfig: Path, namespace: str, log: Path, allow_host_paths: tuple[Path, ...] = ()):
         env = {**os.environ, "KUBECONFIG": str(kubeconfig), "HSX_OPERATOR_POLL_SECONDS": POLL_SECONDS}
         self.log = log
         with log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [str(BIN / "hsx-operator"), "-n", namespace, "--metrics-port", "0"],
+                [
+                    str(BIN / "hsx-operator"),
+                    *("-n", namespace, "--metrics-port", "0"),
+                    *(f"--allow-host-path={p}" for p in allow_host_paths),
+                ],
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -203,13 +207,19 @@ class OperatorProcess:
 
 @pytest.fixture
 def start_operator(
-    operator_kubeconfig: Path, namespace: str, tmp_path: Path, request: pytest.FixtureRequest
+    operator_kubeconfig: Path,
+    namespace: str,
+    tmp_path: Path,
+    op_workdir: Path,
+    request: pytest.FixtureRequest,
 ) -> Iterator[Callable[[], OperatorProcess]]:
-    """Start operators for the test's namespace (each call one more); all are stopped afterwards."""
+    """Start operators for the test's namespace (each call one more); all are stopped afterwards.
+    They allow host paths under the session's work directory only (models, datasets, outputs)."""
     started: list[OperatorProcess] = []
 
     def start() -> OperatorProcess:
-        op = OperatorProcess(operator_kubeconfig, namespace, tmp_path / f"operator-{len(started)}.log")
+        log = tmp_path / f"operator-{len(started)}.log"
+        op = OperatorProcess(operator_kubeconfig, namespace, log, allow_host_paths=(op_workdir,))
         started.append(op)
         return op
 

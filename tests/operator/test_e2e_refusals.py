@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -168,3 +169,22 @@ def test_queued_only_when_kueue_holds_the_job(
         assert queued["phase"] == "Suspended" and conditions(queued)["Stalled"] == "False"
     finally:
         ns.cluster.kubectl("delete", "crd", "workloads.kueue.x-k8s.io", "--ignore-not-found", "--wait=true")
+
+
+def test_host_paths_and_system_priority_outside_the_admins_policy_fail_the_run(
+    ns: Namespace, run_env: dict[str, Any], start_operator: Callable[[], OperatorProcess]
+) -> None:
+    start_operator()  # allows host paths under the session's work directory only
+    ns.apply(xj_manifest("nodefs", "r1", **{**run_env, "model_root": Path("/etc")}))
+    ns.apply(xj_manifest("critical", "r1", **run_env, scheduling={"priorityClassName": "system-node-critical"}))
+    for name, words in (
+        ("nodefs", "spec.model.source.hostPath.path mounts host path /etc"),
+        ("critical", "system-node-critical is reserved"),
+    ):
+        failed = wait_for(phase(ns, name, "Failed"), 60, f"{name} to fail")
+        assert failed["reason"] == "NotPermitted", failed
+        assert words in failed["message"] and "change runId" in failed["message"], failed
+        assert ns.get("job", f"{name}-r1") is None
+    # The same run with paths under the allowed prefix is created: the policy, not the spec, refused.
+    ns.apply(xj_manifest("allowed", "r1", **run_env, suspend=True))
+    wait_for(lambda: ns.get("job", "allowed-r1"), 60, "the allowed run's Job")
