@@ -7,6 +7,7 @@ documented where it is declared: these descriptions become ``kubectl explain`` t
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,6 +15,25 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 RUN_ID_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$"
+
+
+# Anything that looks like "scheme:" but is not one hsx reads: "s3:/bucket" would otherwise be a
+# relative local path and write into the working directory.
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+_SCHEMES = ("s3://", "file://")
+
+
+def check_uri(uri: str) -> str:
+    """A dataset or output URI hsx can read: s3://bucket/key, file:///path or a path."""
+    if _SCHEME.match(uri) and not uri.startswith(_SCHEMES):
+        raise ValueError(f"unsupported URI {uri!r}: use s3://bucket/key, file:///path or a local path")
+    return uri
+
+
+def check_endpoint(url: str | None) -> str | None:
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise ValueError(f"endpoint {url!r} must be an http:// or https:// URL")
+    return url
 
 
 class _Spec(BaseModel):
@@ -87,6 +107,9 @@ class DatasetSpec(_Spec):
         "for reading the dataset. Defaults to output.credentialsSecret.",
     )
 
+    _uri = field_validator("uri")(check_uri)
+    _endpoint = field_validator("endpoint")(check_endpoint)
+
 
 class OutputSpec(_Spec):
     """Where shards go and how they are stored."""
@@ -130,6 +153,9 @@ class OutputSpec(_Spec):
         "uploadConcurrency parts (of at least 5 MiB), so one shard alone keeps every connection busy.",
     )
     uploadConcurrency: int = Field(16, ge=1, le=256, description="Parts uploaded in parallel per pod.")
+
+    _uri = field_validator("uri")(check_uri)
+    _endpoint = field_validator("endpoint")(check_endpoint)
 
 
 class ValidationSpec(_Spec):

@@ -374,6 +374,18 @@ _LOCK_RULE = (
 )
 
 
+def _location_rules(f: str) -> list[dict[str, str]]:
+    """CEL rules for ``spec.{f}``: a URI and endpoint that mean the same inside the pod."""
+    uri, url = f"self.{f}.uri", f"self.{f}.endpoint"
+    where = f"{f}.uri must be s3://bucket/key, an absolute path or file:///path: in the pod a relative path "
+    scheme = f"!has({url}) || {url}.startsWith('http://') || {url}.startsWith('https://')"
+    return [
+        cel(f"{uri}.startsWith('s3://') || {uri}.startsWith('/') || {uri}.startsWith('file:///')",
+            where + "(or s3:/bucket) names the container's working directory"),
+        cel(scheme, f"{f}.endpoint must be an http:// or https:// URL"),
+    ]  # fmt: skip
+
+
 class ExtractionJobSpec(_Spec):
     """An extraction run: a model, a dataset and where the hidden states go."""
 
@@ -394,6 +406,8 @@ class ExtractionJobSpec(_Spec):
                     "self.startupDeadlineSeconds < self.activeDeadlineSeconds",
                     "startupDeadlineSeconds must be shorter than activeDeadlineSeconds",
                 ),
+                *_location_rules("dataset"),
+                *_location_rules("output"),
                 cel(
                     "self.runId != 'manifest'",
                     "runId 'manifest' is reserved",

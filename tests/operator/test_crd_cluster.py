@@ -145,6 +145,12 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         'Unsupported value: "Maybe"',
     ),
     ("unknown-field-typo", _with("outptu", {"uri": "x"}), 'unknown field "spec.outptu"'),
+    # URIs and endpoints that would mean something else inside the pod (issue 18, item 3).
+    ("output-s3-single-slash", _with("output.uri", "s3:/bucket/out"), "output.uri must be s3://bucket/key"),
+    ("dataset-relative-path", _with("dataset.uri", "data/chat.jsonl"), "dataset.uri must be s3://bucket/key"),
+    ("dataset-http-uri", _with("dataset.uri", "https://example.com/chat.jsonl"), "dataset.uri must be"),
+    ("output-endpoint-no-scheme", _with("output.endpoint", "minio:9000"), "output.endpoint must be an http://"),
+    ("dataset-endpoint-no-scheme", _with("dataset.endpoint", "s3.local"), "dataset.endpoint must be an http://"),
     # Cross-field rules (issue 18, item 4).
     (
         "model-path-sibling-of-mount",

@@ -71,6 +71,27 @@ def test_invalid_config_exits_permanent_with_the_field(tmp_path: Path, capsys: A
     assert "invalid configuration" in err and "concurency" in err
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("output.uri", "s3:/bucket/out", "unsupported URI 's3:/bucket/out'"),
+        ("dataset.uri", "gs://bucket/chat.jsonl", "unsupported URI 'gs://bucket/chat.jsonl'"),
+        ("output.endpoint", "minio:9000", "endpoint 'minio:9000' must be an http:// or https:// URL"),
+    ],
+)
+def test_a_uri_hsx_cannot_read_exits_permanent_and_writes_nothing(
+    tmp_path: Path, capsys: Any, monkeypatch: Any, field: str, value: str, words: str
+) -> None:
+    monkeypatch.chdir(tmp_path)  # where "s3:/bucket/out" as a relative path would have landed
+    section, key = field.split(".")
+    doc: dict[str, Any] = {"runId": "a", "dataset": {"uri": "/x.jsonl"}, "output": {"uri": "/o"}}
+    doc[section][key] = value
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(doc))
+    assert main(["extract", "--config", str(tmp_path / "c.yaml")]) == EXIT_PERMANENT
+    assert words in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+
+
 def test_missing_dataset_exits_permanent(tmp_path: Path, ref_server: RefServer, capsys: Any) -> None:
     cfg = base_config(tmp_path, ref_server, tmp_path / "absent.jsonl")
     path = tmp_path / "c.yaml"
