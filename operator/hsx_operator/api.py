@@ -374,7 +374,7 @@ _LOCK_RULE = (
 )
 
 
-def _location_rules(f: str) -> list[dict[str, str]]:
+def _location_rules(f: str) -> Any:
     """CEL rules for ``spec.{f}``: a URI and endpoint that mean the same inside the pod."""
     uri, url = f"self.{f}.uri", f"self.{f}.endpoint"
     where = f"{f}.uri must be s3://bucket/key, an absolute path or file:///path: in the pod a relative path "
