@@ -24,6 +24,8 @@ from hsx_operator.policy import under
 
 SERVER_CONTAINER = "sglang"
 EXTRACTOR_CONTAINER = "extractor"
+# The extractor image's checks that need no server, run before the server loads weights.
+PREFLIGHT_CONTAINER = "preflight"
 CONFIG_DIR = "/etc/hsx"
 CONFIG_FILE = "config.yaml"
 SHM_DIR = "/dev/shm"
@@ -313,6 +315,12 @@ def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None =
             "capabilities": {"drop": ["ALL"]},
         },
     }
+    # First init container: a wrong tokenizer, dataset or bucket fails the pod before the GPUs load weights.
+    preflight = {
+        **{k: v for k, v in extractor.items() if k != "ports"},
+        "name": PREFLIGHT_CONTAINER,
+        "command": ["hsx", "preflight", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
+    }
     sched = spec.scheduling
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
@@ -320,7 +328,7 @@ def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None =
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-        "initContainers": [server],
+        "initContainers": [preflight, server],
         "containers": [extractor],
         "volumes": volumes,
     }
@@ -342,14 +350,13 @@ def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None =
         "podReplacementPolicy": "Failed",
         "podFailurePolicy": {
             "rules": [
-                {
-                    "action": "FailJob",
-                    "onExitCodes": {
-                        "containerName": EXTRACTOR_CONTAINER,
-                        "operator": "In",
-                        "values": [EXIT_PERMANENT],
-                    },
-                },
+                *(
+                    {
+                        "action": "FailJob",
+                        "onExitCodes": {"containerName": name, "operator": "In", "values": [EXIT_PERMANENT]},
+                    }
+                    for name in (PREFLIGHT_CONTAINER, EXTRACTOR_CONTAINER)
+                ),
                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
             ]
         },

@@ -17,13 +17,13 @@ from typing import Any
 from hsx_extractor.contract import PROGRESS_COUNTERS, PROGRESS_RATES, ProgressReport
 from hsx_operator.api import ExtractionJobSpec
 from hsx_operator.conditions import conditions_for, rfc3339
-from hsx_operator.desired import LABEL_QUEUE, job_name, manifest_uri, output_prefix
+from hsx_operator.desired import LABEL_QUEUE, PREFLIGHT_CONTAINER, job_name, manifest_uri, output_prefix
 from hsx_operator.pods import (
     KueueView,
-    exit_summary,
     is_active,
     job_condition,
     job_problem,
+    last_exit,
     pod_problem,
     pod_scheduled,
     replica_index,
@@ -240,8 +240,13 @@ def _failed(
     # The last failure was not retried: it ended the run.
     status.attempt = max(1, failures)
     reason = condition.get("reason") or Reason.JOB_FAILED
-    message = "; ".join(m for m in (condition.get("message", ""), exit_summary(pods)) if m)[:32768]
-    _set(status, Phase.FAILED, Reason.PERMANENT_FAILURE if reason == "PodFailurePolicy" else reason, message)
+    exited = last_exit(pods)
+    message = "; ".join(m for m in (condition.get("message", ""), exited[1] if exited else "") if m)[:32768]
+    if exited and exited[0] == PREFLIGHT_CONTAINER:
+        reason = Reason.PREFLIGHT_FAILED  # nothing reached the server: the message says what to fix
+    elif reason == "PodFailurePolicy":
+        reason = Reason.PERMANENT_FAILURE
+    _set(status, Phase.FAILED, reason, message)
     status.completionTime = rfc3339(now)
 
 

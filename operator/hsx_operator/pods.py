@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from hsx_extractor.contract import EXIT_PERMANENT, ProgressReport
-from hsx_operator.desired import EXTRACTOR_CONTAINER, SERVER_CONTAINER
+from hsx_operator.desired import EXTRACTOR_CONTAINER, PREFLIGHT_CONTAINER, SERVER_CONTAINER
 from hsx_operator.status import Reason
 
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
@@ -102,7 +102,7 @@ def pod_problem(pod: Mapping[str, Any], events: Sequence[Mapping[str, Any]]) -> 
             and c.get("reason") == "Unschedulable"
         ):
             return Reason.UNSCHEDULABLE, f"pod {name}: {c.get('message', '')}".strip()
-    for container in (SERVER_CONTAINER, EXTRACTOR_CONTAINER):
+    for container in (PREFLIGHT_CONTAINER, SERVER_CONTAINER, EXTRACTOR_CONTAINER):
         cs = container_status(pod, container)
         waiting = ((cs or {}).get("state") or {}).get("waiting") or {}
         reason = waiting.get("reason", "")
@@ -192,22 +192,26 @@ def terminated_progress(pod: Mapping[str, Any]) -> ProgressReport | None:
     return parse_report(text) if text else None
 
 
-def exit_summary(pods: Sequence[Mapping[str, Any]]) -> str:
-    """Last extractor exit of a failed pod, for the Failed message."""
+def last_exit(pods: Sequence[Mapping[str, Any]]) -> tuple[str, str] | None:
+    """(container, summary) of the newest failed exit of the preflight or extractor container."""
     for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("creationTimestamp") or "", reverse=True):
-        cs = container_status(pod, EXTRACTOR_CONTAINER)
-        term = ((cs or {}).get("state") or {}).get("terminated")
-        if term and term.get("exitCode"):
+        for container in (PREFLIGHT_CONTAINER, EXTRACTOR_CONTAINER):
+            cs = container_status(pod, container)
+            term = ((cs or {}).get("state") or {}).get("terminated")
+            if not (term and term.get("exitCode")):
+                continue
             code = term["exitCode"]
             kind = "permanent failure" if code == EXIT_PERMANENT else "failure"
-            final = terminated_progress(pod)
+            final = terminated_progress(pod) if container == EXTRACTOR_CONTAINER else None
             if final is not None:
                 detail = str(final.lastError or term.get("reason", ""))
             else:
                 lines = (term.get("message") or "").strip().splitlines()
                 detail = lines[-1] if lines else term.get("reason", "")
-            return f"extractor exited {code} ({kind}) in pod {pod['metadata'].get('name')}: {detail}"[:2000]
-    return ""
+            summary = f"{container} exited {code} ({kind}) in pod {pod['metadata'].get('name')}: {detail}"
+            return container, summary[:2000]
+    return None
+
 
 
 def pod_scheduled(pod: Mapping[str, Any]) -> bool:

@@ -40,6 +40,8 @@ class Reason(StrEnum):
     EXTRACTING = "Extracting"
     COMPLETED = "Completed"
     PERMANENT_FAILURE = "PermanentFailure"
+    # The pod's preflight (tokenizer, model config, dataset, output store) failed: no weights were loaded.
+    PREFLIGHT_FAILED = "PreflightFailed"
     JOB_FAILED = "JobFailed"
     SUSPENDED = "Suspended"
     # Kueue holds the Job: it carries a queue label and Kueue has a Workload for it.

@@ -50,12 +50,10 @@ def test_job_is_owned_labelled_and_indexed() -> None:
 
 def test_pod_failure_policy_fails_fast_on_permanent_exit_and_ignores_disruptions() -> None:
     rules = desired_job(OWNER, make_spec())["spec"]["podFailurePolicy"]["rules"]
-    fail = [r for r in rules if r["action"] == "FailJob"]
-    assert fail[0]["onExitCodes"] == {
-        "containerName": "extractor",
-        "operator": "In",
-        "values": [EXIT_PERMANENT],
-    }
+    fail = [r["onExitCodes"] for r in rules if r["action"] == "FailJob"]
+    assert fail == [
+        {"containerName": name, "operator": "In", "values": [EXIT_PERMANENT]} for name in ("preflight", "extractor")
+    ]
     ignore = [r for r in rules if r["action"] == "Ignore"]
     assert ignore[0]["onPodConditions"][0]["type"] == "DisruptionTarget"
 
@@ -63,8 +61,9 @@ def test_pod_failure_policy_fails_fast_on_permanent_exit_and_ignores_disruptions
 def test_server_is_a_native_sidecar_with_the_gpus_and_a_startup_budget() -> None:
     spec = make_spec(server={"gpus": 4, "startupTimeoutSeconds": 900})
     pod = _pod(desired_job(OWNER, spec))
-    (server,) = pod["initContainers"]
+    (preflight, server) = pod["initContainers"]
     (extractor,) = pod["containers"]
+    assert "restartPolicy" not in preflight  # runs to completion before the server starts
     assert server["restartPolicy"] == "Always"
     assert server["resources"]["limits"]["nvidia.com/gpu"] == "4"
     assert "nvidia.com/gpu" not in str(extractor.get("resources", {}))
@@ -78,6 +77,17 @@ def test_server_is_a_native_sidecar_with_the_gpus_and_a_startup_budget() -> None
     assert pod["restartPolicy"] == "Never"
     assert extractor["securityContext"]["runAsNonRoot"] is True
     assert extractor["command"] == ["hsx", "extract", "--config", "/etc/hsx/config.yaml"]
+
+
+def test_preflight_runs_the_extractors_checks_first_as_the_extractor() -> None:
+    pod = _pod(desired_job(OWNER, make_spec()))
+    preflight, (extractor,) = pod["initContainers"][0], pod["containers"]
+    assert preflight["name"] == "preflight"
+    assert preflight["command"] == ["hsx", "preflight", "--config", "/etc/hsx/config.yaml"]
+    # Same image, user, environment (credentials) and volumes as the extractor: it checks what the run will see.
+    for key in ("image", "env", "volumeMounts", "securityContext", "resources", "terminationMessagePolicy"):
+        assert preflight[key] == extractor[key], key
+    assert "ports" not in preflight
 
 
 def test_shared_memory_volume_is_sized_from_the_spec_and_mounted_in_both() -> None:

@@ -188,3 +188,20 @@ def test_host_paths_and_system_priority_outside_the_admins_policy_fail_the_run(
     # The same run with paths under the allowed prefix is created: the policy, not the spec, refused.
     ns.apply(xj_manifest("allowed", "r1", **run_env, suspend=True))
     wait_for(lambda: ns.get("job", "allowed-r1"), 60, "the allowed run's Job")
+
+
+def test_a_missing_dataset_fails_in_preflight_before_the_server_starts(
+    ns: Namespace, run_env: dict[str, Any], start_operator: Callable[[], OperatorProcess], hsx_node: Any
+) -> None:
+    start_operator()
+    missing = run_env["dataset"].parent / "no-such-chat.jsonl"
+    ns.apply(xj_manifest("nodata", "r1", **{**run_env, "dataset": missing}))
+    failed = wait_for(phase(ns, "nodata", "Failed"), 120, "the run to fail in preflight")
+    assert failed["reason"] == "PreflightFailed", failed
+    assert "preflight exited 3 (permanent failure)" in failed["message"] and str(missing) in failed["message"]
+    (pod,) = ns.items("pods")
+    statuses = {c["name"]: c for c in pod["status"]["initContainerStatuses"]}
+    assert statuses["preflight"]["state"]["terminated"]["exitCode"] == 3
+    # The server (weights, GPUs) never started: the preflight stopped the pod first.
+    assert not {"running", "terminated"} & set(statuses["sglang"]["state"]), statuses["sglang"]
+    assert hsx_node.logs(ns.name, pod["metadata"]["name"], "sglang") == ""

@@ -10,6 +10,7 @@ import pytest
 from kubernetes.client.rest import ApiException
 
 from hsx_operator import handlers
+from hsx_operator.policy import NodeAccessPolicy
 from hsx_operator.status import ExtractionJobStatus
 from tests.operator.helpers import EXTRACTOR_RUNNING, SERVER_READY, job_json, pod_json, spec_dict
 
@@ -69,6 +70,8 @@ def reconcile(
     monkeypatch: pytest.MonkeyPatch, cluster: FakeCluster, spec: dict[str, Any], status: dict[str, Any]
 ) -> kopf.Patch:
     monkeypatch.setattr(handlers, "Cluster", lambda: cluster)
+    # spec_dict's model is a hostPath under /srv: allowed as the admin would for it.
+    monkeypatch.setattr(handlers, "POLICY", NodeAccessPolicy.of(["/srv"]))
     patch = kopf.Patch()
     handlers._reconcile(
         body=kopf.Body({}),
@@ -151,3 +154,15 @@ def test_a_queued_job_asks_whether_kueue_holds_it(
     st = reconcile(monkeypatch, cluster, spec, pending.model_dump(mode="json"))["status"]
     assert "kueue" in cluster.calls
     assert (st["phase"], st["reason"]) == ("Suspended", "KueueNotInstalled")
+
+
+def test_a_host_path_the_admin_did_not_allow_fails_the_run_without_a_job(
+    monkeypatch: pytest.MonkeyPatch, world: dict[str, Any]
+) -> None:
+    cluster = FakeCluster()
+    spec = spec_dict(model={"path": "/models/tiny", "source": {"hostPath": {"path": "/var/lib/kubelet"}}})
+    st = reconcile(monkeypatch, cluster, spec, {})["status"]
+    assert (st["phase"], st["reason"]) == ("Failed", "NotPermitted")
+    assert "host path /var/lib/kubelet" in st["message"] and "allowed prefixes: /srv" in st["message"]
+    assert cluster.calls == []
+    assert any(e.get("type") == "Warning" and e["reason"] == "NotPermitted" for e in world["events"])

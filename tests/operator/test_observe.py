@@ -235,6 +235,16 @@ def test_permanent_failure_is_reported_with_the_exit() -> None:
     assert cond(st, "Failed") == "True" and cond(st, "Stalled") == "True"
 
 
+def test_a_failed_preflight_fails_the_run_as_preflight_failed_with_its_words() -> None:
+    term = {"state": {"terminated": {"exitCode": 3, "message": "preflight failed: dataset /d.jsonl: not found"}}}
+    pod = pod_json(phase="Failed")
+    pod["status"]["initContainerStatuses"] = [{"name": "preflight", **term}]
+    failed = job_json(conditions=[{"type": "Failed", "status": "True", "reason": "PodFailurePolicy"}])
+    st = run(job=failed, pods=[pod]).status
+    assert (st.phase, st.reason) == ("Failed", "PreflightFailed")
+    assert "preflight exited 3 (permanent failure)" in st.message and st.message.endswith("/d.jsonl: not found")
+
+
 def test_failure_message_takes_the_error_from_the_final_progress() -> None:
     final = (
         '{"state": "failed", "samplesDone": 4, "lastError": "tokenizer fingerprint mismatch: want a, got b"}'

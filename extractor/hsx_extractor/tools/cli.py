@@ -73,15 +73,26 @@ def extract_config(args: argparse.Namespace) -> ExtractConfig:
     return ExtractConfig.model_validate(with_overrides({}, overrides))
 
 
+def _config_or_exit(args: argparse.Namespace) -> ExtractConfig | None:
+    try:
+        return extract_config(args)
+    except (ValidationError, ValueError, OSError) as exc:
+        print(f"hsx {args.command}: invalid configuration: {exc}", file=sys.stderr, flush=True)
+        return None
+
+
 def cmd_extract(args: argparse.Namespace) -> int:
     from hsx_extractor.run.runner import run_extract
 
-    try:
-        cfg = extract_config(args)
-    except (ValidationError, ValueError, OSError) as exc:
-        print(f"hsx extract: invalid configuration: {exc}", file=sys.stderr, flush=True)
-        return EXIT_PERMANENT
-    return run_extract(cfg)
+    cfg = _config_or_exit(args)
+    return EXIT_PERMANENT if cfg is None else run_extract(cfg)
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from hsx_extractor.run.preflight import run_preflight
+
+    cfg = _config_or_exit(args)
+    return EXIT_PERMANENT if cfg is None else run_preflight(cfg)
 
 
 def sample_fraction(text: str) -> float:
@@ -162,6 +173,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.output, keep_model=args.keep_model)
 
 
+def _config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML/JSON file in ExtractionJob spec field names")
+    for flag, (field, kind) in EXTRACT_FLAGS.items():
+        p.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=kind, help=field)
+    p.add_argument("--chat-template", help="file holding dataset.chatTemplate")
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="any config field (dotted name)")
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="hsx", description="Capture LLM hidden states for EAGLE-3 drafters.")
     sub = top.add_subparsers(dest="command", required=True)
@@ -172,12 +191,17 @@ def parser() -> argparse.ArgumentParser:
         description="Flags and --set FIELD=VALUE use the ExtractionJob spec's field names "
         "and override --config FILE.",
     )
-    p.add_argument("--config", help="YAML/JSON file in ExtractionJob spec field names")
-    for flag, (field, kind) in EXTRACT_FLAGS.items():
-        p.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=kind, help=field)
-    p.add_argument("--chat-template", help="file holding dataset.chatTemplate")
-    p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="any config field (dotted name)")
+    _config_flags(p)
     p.set_defaults(func=cmd_extract)
+
+    p = sub.add_parser(
+        "preflight",
+        help="check tokenizer, model config, dataset, output store and dump directory (no server needed)",
+        description="What `hsx extract` would refuse at start, checked before the server loads weights "
+        "(the pod's first init container). Same configuration as extract.",
+    )
+    _config_flags(p)
+    p.set_defaults(func=cmd_preflight)
 
     p = sub.add_parser("verify", help="re-read a run's output and check every checksum")
     p.add_argument(
