@@ -101,8 +101,9 @@ def test_permanent_failure_fails_at_once_without_retries(
     manifest["spec"]["dataset"]["expectedTokenizerFingerprint"] = WRONG_FINGERPRINT
     ns.apply(manifest)
     failed = wait_for(phase(ns, "wrongtok", "Failed"), 240, "the run to fail")
-    assert failed["reason"] == "PermanentFailure", failed
-    assert "exited 3 (permanent failure)" in failed["message"], failed
+    # The tokenizer check needs no server: the pod's preflight finds it before weights load.
+    assert failed["reason"] == "PreflightFailed", failed
+    assert "preflight exited 3 (permanent failure)" in failed["message"], failed
     assert "tokenizer fingerprint mismatch" in failed["message"] and WRONG_FINGERPRINT in failed["message"]
     assert failed["attempt"] == 1, failed
     assert len(ns.pods_of("wrongtok-r1")) == 1  # backoffLimit 3, yet no second pod
