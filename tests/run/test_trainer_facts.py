@@ -4,6 +4,7 @@ template rendering), a resumed run counts no shard twice, and `hsx vocab` turns 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import subprocess
@@ -162,7 +163,7 @@ def test_reader_refuses_a_manifest_without_capture_facts(tmp_path: Path, ref_ser
     assert stated.capture == recorded and len(stated) == 3
     # A statement contradicting a manifest that has the facts is refused too.
     path.write_text(json.dumps(manifest))
-    pre_norm = Capture(**{**recorded.__dict__, "final_state": "pre-norm"})
+    pre_norm = dataclasses.replace(recorded, final_state="pre-norm")
     with pytest.raises(ManifestError, match="pre-norm"):
         OutputReader(str(run_dir), capture=pre_norm)
     cli = subprocess.run([*HSX, "vocab", str(run_dir), "--draft-vocab-size", "4", "--out", str(tmp_path / "v")],
