@@ -7,6 +7,8 @@ checks: t2d.shape[0] == verifier vocab, t2d.sum() == draft vocab, d2t.shape[0] =
 
 from __future__ import annotations
 
+import glob
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -80,3 +82,17 @@ def test_cli_needs_the_target_vocab_when_the_manifest_lacks_it(tmp_path: Path, c
     assert np.load(tmp_path / "v" / "t2d.npy").shape == (32000,)
     assert main(["vocab", str(tmp_path / "out" / "nothing"), "--draft-vocab-size", "8"]) != 0
     assert "no manifest" in capsys.readouterr().err
+
+
+# The trainers' venv (SpecForge, speculators from the registry), built by the trainer-adapter tests.
+TRAINERS = sorted(glob.glob(str(Path.home() / ".cache/hsx/trainers-specforge*/bin/python")))
+
+
+@pytest.mark.skipif(not TRAINERS, reason="no trainers venv (~/.cache/hsx/trainers-specforge*) on this machine")
+def test_real_specforge_and_speculators_load_the_files(tmp_path: Path) -> None:
+    uri = _finished_run(tmp_path, 32000)
+    write_vocab(uri, 64, tmp_path / "v")
+    side = Path(__file__).with_name("vocab_trainer_side.py")
+    done = subprocess.run([TRAINERS[-1], str(side), str(tmp_path / "v"), "64", "32000"],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0 and "OK:" in done.stdout, done.stdout + done.stderr
