@@ -2,7 +2,7 @@
 
 The public face, for trainers and scripts::
 
-    from hsx_extractor import HiddenStatesDataset, OutputReader, ExtractConfig
+    from hsx_extractor import Capture, HiddenStatesDataset, OutputReader, ExtractConfig
 
 Everything else is imported from the module that owns it (docs/architecture.md). The names
 below load on first use, so importing one small module (the operator imports ``config`` and
@@ -20,12 +20,14 @@ _PUBLIC = {
     "HiddenStatesDataset": "hsx_extractor.reader",
     "OutputReader": "hsx_extractor.reader",
     "ExtractConfig": "hsx_extractor.config",
+    "Capture": "hsx_extractor.storage.manifest",
 }
-__all__ = ["ExtractConfig", "HiddenStatesDataset", "OutputReader", "__version__"]
+__all__ = ["Capture", "ExtractConfig", "HiddenStatesDataset", "OutputReader", "__version__"]
 
 if TYPE_CHECKING:
     from hsx_extractor.config import ExtractConfig
     from hsx_extractor.reader import HiddenStatesDataset, OutputReader
+    from hsx_extractor.storage.manifest import Capture
 
 
 def __getattr__(name: str) -> Any:

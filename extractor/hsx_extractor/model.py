@@ -31,6 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# The manifest's name for this numbering (capture.layerConvention): layer id j = the input of decoder
+# layer j (0-based) = the residual stream after j layers = HF ``hidden_states[j]``.
+LAYER_CONVENTION = "layer-input"
+
 # Architectures (HF ``architectures[0]``) whose capture setter takes the DeepSeek rule.
 DEEPSEEK_STYLE = frozenset(
     {

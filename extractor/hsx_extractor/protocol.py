@@ -42,6 +42,10 @@ DUMP_SUFFIX = ".safetensors"
 ERROR_SUFFIX = ".error.json"
 PARTIAL_SUFFIX = ".partial"
 
+# What the dump's final state is (the manifest's capture.finalState): after the model's final norm,
+# as SGLang's logits processor keeps it and as Hugging Face returns hidden_states[-1].
+FINAL_STATE = "post-norm"
+
 TENSOR_INPUT_IDS = "input_ids"
 TENSOR_AUX = "aux_hidden_states"
 TENSOR_FINAL = "hidden_states"

@@ -12,7 +12,12 @@ Only shards with a commit record are read, and a record is not taken on trust: i
 this run's key for the shard, and before a shard's first sample is read its object must have the
 recorded size and a header that hashes to the recorded shard checksum and lists the recorded
 samples (:meth:`Store.checked_header`). Each item is one ranged read inside the object,
-checksummed unless ``verify_checksums=False``. torch is imported lazily so the extractor image (no torch) can
+checksummed unless ``verify_checksums=False``.
+
+The reader refuses to guess what the states are: :attr:`OutputReader.capture` (engine, layer ids
+and their numbering, final state before or after the final norm, dtype) comes from the manifest,
+and a manifest without those facts (``hsx-manifest/1``) is refused unless the caller states them
+(``capture=Capture(...)``). torch is imported lazily so the extractor image (no torch) can
 import the rest of hsx_extractor.
 """
 
@@ -27,6 +32,7 @@ from hsx_extractor.config import OutputSpec
 from hsx_extractor.storage.backends import PermanentStoreError
 from hsx_extractor.storage.commit_record import ShardCommit
 from hsx_extractor.storage.layout import MANIFEST_NAME, split_run_uri
+from hsx_extractor.storage.manifest import Capture, ManifestError
 from hsx_extractor.storage.shard_format import SampleRecord, ShardFormatError, ShardHeader
 from hsx_extractor.storage.store import Store, open_store
 
@@ -42,7 +48,13 @@ except ImportError:  # pragma: no cover - the extractor image
 class OutputReader:
     """Random access to the samples of a committed run, without torch."""
 
-    def __init__(self, uri: str, output: OutputSpec | None = None, require_manifest: bool = True):
+    def __init__(
+        self,
+        uri: str,
+        output: OutputSpec | None = None,
+        require_manifest: bool = True,
+        capture: Capture | None = None,
+    ):
         self.uri = uri
         output_uri, self.run_id = split_run_uri(uri)
         self._spec = (
@@ -51,11 +63,13 @@ class OutputReader:
             else OutputSpec.model_validate({"uri": output_uri})
         )
         store = self._open()
-        if require_manifest and store.get_json(MANIFEST_NAME) is None:
+        self.manifest = store.get_json(MANIFEST_NAME)
+        if require_manifest and self.manifest is None:
             raise PermanentStoreError(
                 f"{uri} has no manifest.json: the run is not finished (pass require_manifest=False to read "
                 "the shards committed so far)"
             )
+        self._capture = capture_of(uri, self.manifest, capture)
         self._shards: list[int] = []
         self._starts: list[int] = []  # position of each shard's first sample in the flat order
         self._indices: list[tuple[int, ...]] = []
@@ -76,6 +90,16 @@ class OutputReader:
         self._lock = threading.Lock()
         self._store_obj = store
         self._pid = os.getpid()
+
+    @property
+    def capture(self) -> Capture:
+        """How the states were captured (the manifest's ``capture``, or what the caller stated)."""
+        if self._capture is None:
+            raise ManifestError(
+                f"{self.uri} has no manifest yet, so nothing says how its states were captured; "
+                "pass capture=Capture(...) to state it"
+            )
+        return self._capture
 
     def _open(self) -> Store:
         return open_store(self._spec, self.run_id, writing=False)
@@ -130,6 +154,27 @@ class OutputReader:
         self._lock = threading.Lock()
 
 
+def capture_of(uri: str, manifest: dict[str, Any] | None, stated: Capture | None) -> Capture | None:
+    """The capture facts of a run: the manifest's, which a caller's statement must agree with;
+    the caller's where the manifest predates them; None only while there is no manifest."""
+    if manifest is None:
+        return stated
+    if manifest.get("capture") is None and stated is not None:
+        return stated
+    where = f"{uri}/{MANIFEST_NAME} (format {manifest.get('format')!r})"
+    try:
+        recorded = Capture.from_json(manifest.get("capture"), where)
+    except ManifestError as exc:
+        raise ManifestError(
+            f"{exc}: it does not say how its states were captured, and the reader will not guess. "
+            "Pass capture=Capture(...) stating the engine, layer ids and their convention, and whether "
+            "the final state is before or after the final norm"
+        ) from None
+    if stated is not None and stated != recorded:
+        raise ManifestError(f"{where} records {recorded}, the caller stated {stated}")
+    return recorded
+
+
 class HiddenStatesDataset(_Base):  # type: ignore[misc,valid-type]
     """A torch Dataset over a committed run at ``uri`` (``{output.uri}/{runId}``, local or s3://).
 
@@ -143,8 +188,9 @@ class HiddenStatesDataset(_Base):  # type: ignore[misc,valid-type]
         output: OutputSpec | None = None,
         verify_checksums: bool = True,
         require_manifest: bool = True,
+        capture: Capture | None = None,
     ):
-        self.reader = OutputReader(uri, output, require_manifest)
+        self.reader = OutputReader(uri, output, require_manifest, capture)
         self.verify_checksums = verify_checksums
 
     def __len__(self) -> int:

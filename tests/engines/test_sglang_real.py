@@ -152,7 +152,14 @@ def check_run(
     assert report["ok"] and report["manifest"], report
     assert report["quarantined"] == 0 and report["samples"] == len(rows), report
     manifest = json.loads((run_uri / "manifest.json").read_text())
-    assert manifest["run"]["captureLayers"] == capture
+    assert manifest["capture"] == {
+        "engine": "sglang",
+        "engineVersion": "0.5.23",
+        "layerIds": capture,
+        "layerConvention": "layer-input",
+        "finalState": "post-norm",
+        "dtype": "bfloat16",
+    }
     stored = read_output(run_uri)
     want = expected(rows, hf_tokenizer)
     assert sorted(stored) == sorted(want)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,10 @@ def test_sigkill_at_several_points_then_resume(
         assert rec.input_ids.tolist() == want[index].input_ids.tolist()
     report = verified(cfg)
     assert report["samples"] == 88 and report["duplicates"] == 0 and report["quarantined"] == 2
+    # Token counts ride in the commit records: each shard's counted once, however often it was begun.
+    masked = Counter(t for i in samples for t, m in zip(want[i].input_ids.tolist(), want[i].loss_mask.tolist(), strict=True) if m)
+    counts = json.loads((tmp_path / "out" / "killed" / "manifest.json").read_text())["tokenCounts"]
+    assert dict(zip(counts["ids"], counts["counts"], strict=True)) == masked
     # Killed processes' dumps were cleaned up by the restart; the final run consumed its own.
     assert not [p for p in ref_server.dump_dir.iterdir() if p.name.startswith("hsx-killed-")]
     print("kill points (name, samplesDone, shardsCommitted):", seen)

@@ -104,9 +104,9 @@ def test_bundled_dataset_end_to_end(tmp_path: Path, ref_server: RefServer, token
         ]
     )
     run_info = result.manifest["run"]
-    assert run_info["tokenizerFingerprint"] == tokenizer.fingerprint
-    assert run_info["captureLayers"] == [2, 4, 5] and run_info["hiddenSize"] == 64
-    assert run_info["hsxVersion"] and run_info["model"]
+    assert result.manifest["tokenizer"]["fingerprint"] == tokenizer.fingerprint
+    assert result.manifest["capture"]["layerIds"] == [2, 4, 5] and run_info["hiddenSize"] == 64
+    assert result.manifest["hsxVersion"] and run_info["model"]
     report = verified(cfg)
     assert report["samples"] == len(samples) and report["quarantined"] == 11 and report["duplicates"] == 0
     assert progress.tokens_done == sum(r.seq_len for r in samples.values())

@@ -129,6 +129,10 @@ def test_other_shape_or_layers_is_fatal(tmp_path: Path) -> None:
     assert not isinstance(collect.check_collected(arrival, "r2", sent, H, 3, LAYERS), Mismatch)
     with pytest.raises(DumpShapeError, match=r"capture layers \[2, 4, 5\].*expects.*\[3, 5, 6\]"):
         collect.check_collected(arrival, "r2", sent, H, 3, (3, 5, 6))
+    # The manifest names one engine for the run: a dump of another producer is a swapped server.
+    assert not isinstance(collect.check_collected(arrival, "r2", sent, H, 3, LAYERS, "test"), Mismatch)
+    with pytest.raises(DumpShapeError, match="written by 'test'"):
+        collect.check_collected(arrival, "r2", sent, H, 3, LAYERS, "hsx-sglang-hook/sglang-0.5.23")
 
 
 def test_collector_correlates_by_rid_only(tmp_path: Path) -> None:

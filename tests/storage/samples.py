@@ -54,11 +54,23 @@ def plan_for(num_samples: int, per_shard: int) -> dict[str, list[dict[str, int]]
     }
 
 
+# What the reference server's runs record (layers [2, 4, 5] of the tiny model): readers need it.
+CAPTURE = {
+    "engine": "hsx-reference",
+    "engineVersion": "0.1.0",
+    "layerIds": [2, 4, 5],
+    "layerConvention": "layer-input",
+    "finalState": "post-norm",
+    "dtype": "bfloat16",
+}
+
+
 def finalize_run(store, run_info: dict):  # type: ignore[no-untyped-def]
-    """``store.finalize`` with the shards of the run's stored plan.json, as the run does."""
+    """``store.finalize`` with the shards of the run's stored plan.json, as the run does; ``run_info``
+    is the manifest's ``run`` section, the capture section is :data:`CAPTURE`."""
     from hsx_extractor.run.plan import PLAN_NAME, planned_shards
 
-    return store.finalize(planned_shards(store.get_json(PLAN_NAME)), run_info)
+    return store.finalize(planned_shards(store.get_json(PLAN_NAME)), {"run": run_info, "capture": CAPTURE})
 
 
 def seq_len_of(index: int) -> int:

@@ -67,8 +67,10 @@ class ShardWorker:
         shape: ModelShape,
         shards: dict[int, ShardState],
         shard_of: dict[int, int],
+        producer: str | None = None,
     ) -> None:
         self.ctx = ctx
+        self.producer = producer  # every dump must come from it (the engine the manifest names)
         self.cfg = ctx.cfg
         self.progress = ctx.progress
         self.store = store
@@ -254,6 +256,7 @@ class ShardWorker:
             self.shape.hidden_size,
             len(self.shape.capture_layers),
             self.shape.capture_layers,
+            self.producer,
         )
         if isinstance(checked, Mismatch):
             collect.remove(self.cfg.dumpDir, rid)

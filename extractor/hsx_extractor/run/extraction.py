@@ -8,6 +8,8 @@ so a crash at any point (SIGKILL included) leaves each good sample in the output
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,8 +20,8 @@ import aiohttp
 
 from hsx_extractor import __version__, protocol
 from hsx_extractor.config import ExtractConfig
-from hsx_extractor.model import ModelShape, check_vocab, model_fingerprint, model_shape
-from hsx_extractor.protocol import RunKey
+from hsx_extractor.model import LAYER_CONVENTION, ModelShape, check_vocab, model_fingerprint, model_shape
+from hsx_extractor.protocol import FINAL_STATE, RunKey
 from hsx_extractor.reasons import Reason
 from hsx_extractor.run import collect
 from hsx_extractor.run.dataset import Prepared, Rejected, dataset_endpoint, read_samples
@@ -31,10 +33,32 @@ from hsx_extractor.run.server_client import ServerClient
 from hsx_extractor.run.sources import iter_rows
 from hsx_extractor.run.tokens import ChatTokenizer, TokenizerError
 from hsx_extractor.run.validate import MismatchGate
+from hsx_extractor.sglang_hook.launch import HOOK_PRODUCER, SGLANG_VERSION
 from hsx_extractor.storage.commit_record import ShardCommit
-from hsx_extractor.storage.store import Store, open_store, uri_stat
+from hsx_extractor.storage.manifest import Capture
+from hsx_extractor.storage.shard_format import STATES_DTYPE
+from hsx_extractor.storage.store import Store, open_store, open_uri_chunks, uri_stat
 
 SERVER_START_TIMEOUT_S = 600.0
+
+
+def engine_of(producer: str) -> tuple[str, str]:
+    """(engine, version) of a dump producer: SGLang with hsx's hook, or a producer shipped with hsx
+    (the reference server), which has hsx's version."""
+    if producer == HOOK_PRODUCER:
+        return "sglang", SGLANG_VERSION
+    if producer.startswith("hsx-"):
+        return producer, __version__
+    raise permanent(f"the server's dumps come from {producer!r}, an engine hsx does not know")
+
+
+def dataset_digest(uri: str, where: Any) -> dict[str, Any]:
+    """sha256 and size of the dataset's bytes, read front to back as stored (compressed files too)."""
+    digest, size = hashlib.sha256(), 0
+    for chunk in open_uri_chunks(uri, where):
+        digest.update(chunk)
+        size += len(chunk)
+    return {"uri": uri, "digest": f"sha256:{digest.hexdigest()}", "bytes": size}
 
 
 def replica_from_env(cfg: ExtractConfig) -> ExtractConfig:
@@ -190,16 +214,21 @@ class Extraction:
             client = ServerClient(cfg.serverUrl, session, cfg.concurrency)
             self.progress.watch_in_flight(lambda: client.in_flight)
             await client.wait_healthy(SERVER_START_TIMEOUT_S)
-            shape = model_shape(await client.model_info(), cfg.modelPath, cfg.auxLayerIds)
+            info = await client.model_info()
+            shape = model_shape(info, cfg.modelPath, cfg.auxLayerIds)
             check_vocab(shape, tok.vocab_size, cfg.modelPath)
+            # SGLang's /get_model_info names no producer; the reference server names itself.
+            producer = str(info.get("producer") or HOOK_PRODUCER)
+            engine = engine_of(producer)
             plan = await self.load_plan(store, tok, shape)
             mine = replica_shards(len(plan.shards), cfg.replicaIndex, cfg.replicaCount)
             committed = await asyncio.to_thread(store.committed_shards)
             todo = [k for k in mine if k not in committed]
             await self._count_resumed(store, plan, [k for k in mine if k in committed], len(mine))
             self.progress.mark_running()
-            commits = await self._extract(store, client, tok, shape, plan, todo) if todo else []
-        manifest = await asyncio.to_thread(store.finalize, plan.planned(), self.run_info(tok, shape, plan))
+            commits = await self._extract(store, client, tok, shape, plan, todo, producer) if todo else []
+        described = functools.partial(self.describe, tok, shape, plan, engine)
+        manifest = await asyncio.to_thread(store.finalize, plan.planned(), described)
         self.progress.mark_succeeded()
         return RunResult(cfg.runId, store.description, tok.fingerprint, todo, commits, manifest)
 
@@ -222,20 +251,34 @@ class Extraction:
                 for q in commit.quarantine:
                     p.quarantined[q.reason] += 1
 
-    def run_info(self, tok: ChatTokenizer, shape: ModelShape, plan: ShardPlan) -> dict[str, Any]:
+    def describe(
+        self, tok: ChatTokenizer, shape: ModelShape, plan: ShardPlan, engine: tuple[str, str]
+    ) -> dict[str, Any]:
+        """The manifest's sections that say what the data is; each fact from its owner."""
+        cfg = self.cfg
+        capture = Capture(
+            engine=engine[0],
+            engine_version=engine[1],
+            layer_ids=shape.capture_layers,
+            layer_convention=LAYER_CONVENTION,
+            final_state=FINAL_STATE,
+            dtype=STATES_DTYPE,
+        )
         return {
-            "hsxVersion": __version__,
-            "tokenizerFingerprint": tok.fingerprint,
-            "model": shape.model_path,
-            "architecture": shape.architecture,
-            "hiddenSize": shape.hidden_size,
-            "captureLayers": list(shape.capture_layers),
-            "dataset": self.cfg.dataset.uri,
-            "rows": plan.rows,
-            "maxLength": self.cfg.dataset.maxLength,
-            "expandTurns": self.cfg.dataset.expandTurns,
-            "specialTokensInContent": self.cfg.dataset.specialTokensInContent,
-            "replicaCount": self.cfg.replicaCount,
+            "run": {
+                "model": shape.model_path,
+                "architecture": shape.architecture,
+                "hiddenSize": shape.hidden_size,
+                "vocabSize": shape.vocab_size,
+                "auxLayerIds": cfg.auxLayerIds,  # as the spec asked; capture.layerIds is what was captured
+                "rows": plan.rows,
+                "maxLength": cfg.dataset.maxLength,
+                "expandTurns": cfg.dataset.expandTurns,
+                "replicaCount": cfg.replicaCount,
+            },
+            "capture": capture.to_json(),
+            "tokenizer": tok.description(),
+            "dataset": dataset_digest(cfg.dataset.uri, dataset_endpoint(cfg)),
         }
 
     async def _extract(
@@ -246,6 +289,7 @@ class Extraction:
         shape: ModelShape,
         plan: ShardPlan,
         todo: list[int],
+        producer: str,
     ) -> list[ShardCommit]:
         shards = {k: ShardState(k, plan.shard_range(k), len(plan.shard_range(k))) for k in todo}
         shard_of = {i: k for k in todo for i in plan.shard_range(k)}
@@ -257,7 +301,7 @@ class Extraction:
             self.store_thread,
             self.seal_threads,
         )
-        worker = ShardWorker(ctx, store, client, shape, shards, shard_of)
+        worker = ShardWorker(ctx, store, client, shape, shards, shard_of, producer)
         try:
             await worker.run(self._reader(tok, plan, shard_of))
         except BaseException:

@@ -168,6 +168,20 @@ class ChatTokenizer:
         tokenizer's own) when it writes one."""
         return self._bos
 
+    def description(self) -> dict[str, Any]:
+        """What the manifest records of the tokenizer (its ``tokenizer`` section)."""
+        return {
+            "fingerprint": self.fingerprint,
+            "chatTemplate": self.chat_template,
+            # Every sample starts with this BOS once, written by the template (or, for pre-tokenized
+            # rows without a template, expected as the tokenizer writes it); never added twice.
+            "bosTokenId": self._bos,
+            "bosHandling": "none" if self._bos is None else "template" if self.chat_template else "tokenizer",
+            "addSpecialTokens": False,
+            "specialTokensInContent": self.mode,
+            "vocabSize": self.vocab_size,
+        }
+
     def chat_samples(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, expand: bool
     ) -> list[Sample | RowRefused]:

@@ -55,10 +55,12 @@ def check_dump(
     hidden_size: int,
     num_aux: int,
     capture_layers: tuple[int, ...] | None = None,
+    producer: str | None = None,
 ) -> Mismatch | None:
     """None when ``dump`` is exactly the sample sent as ``rid``; otherwise the mismatch.
 
-    A dump of another shape, or of other layers than ``capture_layers`` (when given), raises
+    A dump of another shape, of other layers than ``capture_layers`` or from another producer than
+    ``producer`` (when given) raises
     :class:`DumpShapeError`: that is a misconfigured server, not a bad sample."""
     meta = dump.meta
     layers_differ = capture_layers is not None and tuple(meta.capture_layers) != tuple(capture_layers)
@@ -73,6 +75,9 @@ def check_dump(
             )
             + " (from /get_model_info, else the model's config and EAGLE-3's default layers)"
         )
+    if producer is not None and meta.producer != producer:
+        # The manifest names one engine for the whole run: a dump of another is a swapped server.
+        raise DumpShapeError(f"dump {rid} was written by {meta.producer!r}; the run's server is {producer!r}")
     if meta.rid != rid:
         return Mismatch(Reason.ID_MISMATCH, f"file for {rid} holds the dump of {meta.rid}")
     length = int(sent_ids.shape[0])

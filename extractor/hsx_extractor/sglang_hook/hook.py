@@ -24,12 +24,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from hsx_extractor import model, protocol
-from hsx_extractor.sglang_hook.launch import SGLANG_VERSION
+from hsx_extractor.sglang_hook.launch import HOOK_PRODUCER
 from hsx_extractor.sglang_hook.writer import DumpJob, ErrorJob, Staged, stage
 
 log = logging.getLogger("hsx.sglang_hook")
 
-PRODUCER = f"hsx-sglang-hook/sglang-{SGLANG_VERSION}"
+PRODUCER = HOOK_PRODUCER
 
 
 class Step(Enum):

@@ -12,6 +12,8 @@ from hsx_extractor.protocol import DUMP_DIR_ENV
 
 # The one SGLang release the hook is written against; any other version fails at start.
 SGLANG_VERSION = "0.5.23"
+# The producer name the hook writes into every dump (protocol.DumpMeta.producer).
+HOOK_PRODUCER = f"hsx-sglang-hook/sglang-{SGLANG_VERSION}"
 # The official image of that release (Docker Hub); the `sglang` image target builds FROM it.
 SGLANG_BASE_IMAGE = f"lmsysorg/sglang:v{SGLANG_VERSION}"
 

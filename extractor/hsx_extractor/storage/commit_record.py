@@ -19,6 +19,7 @@ from hsx_extractor.storage.stored_json import (
     load_json,
     show,
 )
+from hsx_extractor.storage.token_counts import counts_from_json, counts_to_json
 
 COMMIT_VERSION: Final = "hsx-commit/1"
 MAX_COMMIT_BYTES: Final = 100_000_000  # a commit record lists no more than its shard's header
@@ -74,9 +75,12 @@ class ShardCommit:
     stop: int = 0  # one past the last
     sample_indices: tuple[int, ...] = field(default=(), repr=False)
     quarantine: tuple[QuarantineEntry, ...] = field(default=(), repr=False)
+    # Token id -> occurrences where the loss mask is 1, over the stored samples; None in records
+    # written before hsx counted them.
+    token_counts: dict[int, int] | None = field(default=None, repr=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "format": COMMIT_VERSION,
             "shard": self.shard_index,
             "key": self.key,
@@ -88,6 +92,9 @@ class ShardCommit:
             "samples": list(self.sample_indices),
             "quarantined": [q.to_json() for q in self.quarantine],
         }
+        if self.token_counts is not None:
+            out["tokenCounts"] = counts_to_json(self.token_counts)
+        return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> ShardCommit:
@@ -118,6 +125,7 @@ class ShardCommit:
                 stop=stop,
                 sample_indices=indices,
                 quarantine=quarantine,
+                token_counts=None if obj.get("tokenCounts") is None else counts_from_json(obj["tokenCounts"]),
             )
         except KeyError as exc:
             raise ShardFormatError(f"commit record is malformed: no field {exc}") from None
@@ -140,7 +148,8 @@ class ShardCommit:
         """What the record says about the shard's content: the object (key, checksum over every
         sample's checksum, sizes), the range, the stored samples and which rows are quarantined
         and why. Not the quarantine ``detail``: free text that may name the writer's request id,
-        so two writers doing identical work would otherwise disagree."""
+        so two writers doing identical work would otherwise disagree. Not the token counts either:
+        they are a function of the samples, whose bytes the checksum already covers."""
         return (
             self.shard_index,
             self.key,

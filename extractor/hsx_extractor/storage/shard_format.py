@@ -35,7 +35,8 @@ from hsx_extractor.storage.stored_json import (
 )
 
 FORMAT_VERSION: Final = "hsx-shard/1"
-MANIFEST_VERSION: Final = "hsx-manifest/1"
+# Every hidden state is stored as bf16, whatever the model computes in (the manifest's capture.dtype).
+STATES_DTYPE: Final = "bfloat16"
 # Output compression setting (OutputSpec.compression) -> codec for the hidden-state tensors.
 COMPRESSION_CODECS: Final = {"none": "raw", "bf16-zstd": "bf16-split-zstd"}
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +54,7 @@ from hsx_extractor.storage.shard_format import (
 )
 from hsx_extractor.storage.spool import SpooledObject, SpoolFiles, pwrite_all
 from hsx_extractor.storage.stored_json import load_json
+from hsx_extractor.storage.token_counts import add_counts, count_masked
 
 if TYPE_CHECKING:
     from hsx_extractor.storage.s3_client import S3Endpoint
@@ -75,6 +76,7 @@ class ShardBuilder:
         self._spool_end = 0
         self._entries: dict[int, tuple[SampleEntry, int]] = {}
         self._quarantine: dict[int, QuarantineEntry] = {}
+        self._token_counts: dict[int, int] = {}  # over the loss-masked tokens of the samples added
         self.result: ShardCommit | None = None
 
     def _claim(self, index: int) -> None:
@@ -87,10 +89,12 @@ class ShardBuilder:
 
     def add(self, sample: SampleRecord) -> None:
         encoded = encode_sample(sample, self._codec)  # CPU work outside the lock
+        counts = count_masked(sample.input_ids, sample.loss_mask)
         with self._lock:
             self._claim(sample.index)
             assert self._fd is not None
             pwrite_all(self._fd, encoded.parts, self._spool_end)
+            add_counts(self._token_counts, counts)
             self._entries[sample.index] = (encoded.entry, self._spool_end)
             self._spool_end += encoded.entry.length
 
@@ -127,6 +131,7 @@ class ShardBuilder:
                 stop=self.indices.stop,
                 sample_indices=tuple(e.index for e in placed),
                 quarantine=tuple(self._quarantine[i] for i in sorted(self._quarantine)),
+                token_counts=dict(self._token_counts),
             )
             self._store.commit_shard(commit, source)
             self.result = commit
@@ -353,10 +358,13 @@ class Store:
 
     # -- the end ---------------------------------------------------------------------------
     def finalize(
-        self, planned: Sequence[tuple[int, int, int]], run_info: dict[str, Any]
+        self,
+        planned: Sequence[tuple[int, int, int]],
+        described: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
     ) -> dict[str, Any] | None:
         """Write manifest.json once every planned shard ``(index, start, stop)`` is committed; None
-        while some are not. The run's plan decides which shards there are; the store only checks."""
+        while some are not. The run's plan decides which shards there are; the store only checks.
+        ``described``: the manifest's descriptive sections, or what computes them (only when written)."""
         existing = self.get_json(MANIFEST_NAME)
         if existing is not None:
             return existing
@@ -376,7 +384,8 @@ class Store:
         self.abort_stale_uploads()
         for key in self.unreferenced_shard_objects(commits):  # every shard is committed: garbage
             self.backend.delete(key)
-        manifest = build_manifest(self.layout.run_id, self.output.compression, commits, run_info)
+        sections = described() if callable(described) else described
+        manifest = build_manifest(self.layout.run_id, self.output.compression, commits, sections)
         return self.put_json_if_absent(MANIFEST_NAME, manifest)
 
 

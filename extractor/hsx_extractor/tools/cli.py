@@ -267,8 +267,10 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     from hsx_extractor.tools.estimate import add_estimate_command
+    from hsx_extractor.tools.vocab import add_vocab_command
 
     add_estimate_command(sub)
+    add_vocab_command(sub)
     return top
 
 

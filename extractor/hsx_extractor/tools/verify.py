@@ -19,7 +19,7 @@ from hsx_extractor.run.plan import PLAN_NAME, PlanMismatch, planned_shards
 from hsx_extractor.storage.backends import PermanentStoreError, StoreError
 from hsx_extractor.storage.commit_record import ShardCommit
 from hsx_extractor.storage.layout import MANIFEST_NAME, InvalidKeyError, split_run_uri
-from hsx_extractor.storage.manifest import build_manifest
+from hsx_extractor.storage.manifest import DESCRIBED, build_manifest
 from hsx_extractor.storage.shard_format import (
     ShardFormatError,
     ShardHeader,
@@ -27,6 +27,7 @@ from hsx_extractor.storage.shard_format import (
     decode_sample,
 )
 from hsx_extractor.storage.store import Store, open_backend, open_store
+from hsx_extractor.storage.token_counts import add_counts, count_masked
 
 STREAM_CHUNK = 16 << 20
 MAX_LISTED_ERRORS = 50
@@ -237,7 +238,9 @@ def _verify_shard(
         report.error(f"shard {k}: samples do not tile the object ({header.object_size} != {size} bytes)")
         return
     if fraction is None:
-        _check_stream(store, commit.key, header, report)
+        counts = _check_stream(store, commit.key, header, report)
+        if commit.token_counts is not None and counts != commit.token_counts:
+            report.error(f"shard {k}: token counts in the commit record disagree with its samples")
     else:
         count = (
             min(len(header.samples), max(1, round(fraction * len(header.samples)))) if header.samples else 0
@@ -250,8 +253,10 @@ def _verify_shard(
                 report.error(f"shard {k}: {exc}")
 
 
-def _check_stream(store: Store, key: str, header: ShardHeader, report: VerifyReport) -> None:
-    """Read the object front to back once; check and decode each sample as it completes."""
+def _check_stream(store: Store, key: str, header: ShardHeader, report: VerifyReport) -> dict[int, int]:
+    """Read the object front to back once; check and decode each sample as it completes. Returns
+    the loss-masked token counts of the samples read."""
+    counts: dict[int, int] = {}
     buffer = bytearray()
     position = 0  # object offset of buffer[0]
     pending = list(header.samples)
@@ -264,7 +269,8 @@ def _check_stream(store: Store, key: str, header: ShardHeader, report: VerifyRep
             try:
                 if checksum(blob) != entry.checksum:
                     raise ShardFormatError(f"sample {entry.index} ({entry.sample_id}): checksum mismatch")
-                decode_sample(blob, entry, verify=False)
+                rec = decode_sample(blob, entry, verify=False)
+                add_counts(counts, count_masked(rec.input_ids, rec.loss_mask))
                 report.samples_checked += 1
             except ShardFormatError as exc:
                 report.error(f"{key}: {exc}")
@@ -272,6 +278,7 @@ def _check_stream(store: Store, key: str, header: ShardHeader, report: VerifyRep
             position += start + entry.length
     if pending:
         report.error(f"{key}: object ended before sample {pending[0].index}")
+    return counts
 
 
 def _verify_plan_and_manifest(store: Store, commits: list[ShardCommit], report: VerifyReport) -> None:
@@ -311,8 +318,8 @@ def _verify_plan_and_manifest(store: Store, commits: list[ShardCommit], report: 
         store.layout.run_id,
         str(compression.get("setting") if isinstance(compression, dict) else None),
         commits,
-        manifest.get("run", {}),
+        {name: manifest[name] for name in DESCRIBED if name in manifest},
     )
-    for field_name in ("samples", "quarantined", "shards", "quarantine", "compression"):
+    for field_name in ("samples", "quarantined", "shards", "quarantine", "compression", "tokenCounts"):
         if manifest.get(field_name) != expected[field_name]:
             report.error(f"manifest field {field_name!r} disagrees with the commit records")
