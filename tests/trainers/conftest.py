@@ -44,12 +44,15 @@ def trainers_python() -> Path:
     return venv_python()
 
 
-def run_trainer(python: Path, mode: str, export: Path, out: Path, max_len: int = 2048) -> dict[str, Any]:
-    """The trainer's own loading code over ``export`` (trainer_side.py, in the trainers venv)."""
+def run_trainer(
+    python: Path, mode: str, export: Path, out: Path, max_len: int = 2048, verifier: Path | None = None
+) -> dict[str, Any]:
+    """The trainer's own code over ``export`` (trainer_side.py, in the trainers venv)."""
     from safetensors.torch import load_file
 
+    extra = [str(verifier)] if verifier else []
     done = subprocess.run(
-        [str(python), str(HERE / "trainer_side.py"), mode, str(export), str(out), str(max_len)],
+        [str(python), str(HERE / "trainer_side.py"), mode, str(export), str(out), str(max_len), *extra],
         capture_output=True,
         text=True,
         timeout=600,
@@ -143,6 +146,6 @@ def prenorm_run(norm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> d
             builder.add(SampleRecord(i, f"row-{i}", ids.astype(np.int32), (rng.random(ids.size) < 0.5).astype(np.uint8),
                                      bits(aux), bits(seen[-1][0])))  # fmt: skip
         builder.seal()
-    finalize_run(store, {"model": str(norm_model)})
+    finalize_run(store, {"model": str(norm_model), "captureLayers": layers})
     record_final_state(root / "pre" / MANIFEST_NAME, "pre-norm")
     return {"uri": str(root / "pre"), "post_norm": post_norm, "model": norm_model}

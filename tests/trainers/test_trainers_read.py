@@ -81,6 +81,25 @@ def test_speculators_reads_a_pre_norm_run(
     assert loaded["batch.input_ids"][0, : len(first.input_ids) - 1].tolist() == first.input_ids[1:].tolist()
 
 
+def test_speculators_trains_a_draft_one_step_on_cpu(
+    prenorm_run: dict[str, Any], trainers_python: Path, tmp_path: Path
+) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    dest = tmp_path / "speculators"
+    assert hsx(["export", "--to", "speculators", prenorm_run["uri"], str(dest)]) == 0
+    out = run_trainer(trainers_python, "speculators-step", dest, tmp_path / "step.safetensors", 512,
+                      verifier=prenorm_run["model"])  # fmt: skip
+    losses = out["losses"]
+    assert bool(torch.isfinite(losses).all()) and float(losses[0]) > 0 and float(out["fc_grad"][0]) > 0
+    assert float(losses[1]) < float(losses[0])  # the step learned something from hsx's states
+    # the norm speculators applies to the pre-norm states is the target model's own final norm
+    model_norm = load_file(str(prenorm_run["model"] / "model.safetensors"))["model.norm.weight"].float()
+    assert torch.equal(out["verifier_norm"], model_norm)
+    assert out["target_layer_ids"].tolist() == OutputReader(prenorm_run["uri"]).manifest()["run"]["captureLayers"]
+
+
 def test_modelopt_reads_an_export_with_the_norm_applied(
     prenorm_run: dict[str, Any], trainers_python: Path, tmp_path: Path
 ) -> None:

@@ -1,6 +1,7 @@
 """Runs in the trainers venv (no hsx there): load an export with the trainer's OWN data code, write what it got.
 
 ``python trainer_side.py specforge|speculators|modelopt EXPORT_DIR OUT.safetensors [MAX_LEN]``
+``python trainer_side.py speculators-step EXPORT_DIR OUT.safetensors MAX_LEN VERIFIER_DIR`` (one training step)
 
 Each mode goes through the trainer's offline loading path as its training entry point wires it
 (SpecForge 0.2: reader -> feature store -> EAGLE-3 normalizer -> collator; speculators 0.9:
@@ -11,6 +12,7 @@ Each mode goes through the trainer's offline loading path as its training entry 
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -66,6 +68,63 @@ def speculators(export: Path, max_len: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def speculators_step(export: Path, max_len: int, verifier: str) -> dict[str, torch.Tensor]:
+    """One CPU training step of a 1-layer EAGLE-3 draft with speculators' own model, loss and data path.
+
+    The draft is built as speculators' trainer builds it (``Eagle3DraftModel.from_training_args``,
+    verifier weights -- embeddings, lm_head and the final norm it applies to the pre-norm states --
+    loaded from ``verifier``), over a full-vocabulary mapping."""
+    import copy
+
+    from transformers import AutoConfig
+
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import ArrowDataset, CollateFn
+
+    torch.manual_seed(0)
+    verifier_config = AutoConfig.from_pretrained(verifier)
+    draft_config = copy.deepcopy(verifier_config)
+    draft_config.num_hidden_layers = 1
+    vocab = verifier_config.vocab_size
+    ds = ArrowDataset(max_len=max_len, datapath=str(export), on_missing="raise")
+    hidden = verifier_config.hidden_size
+    batch = CollateFn(max_len, hidden, preprocess=shift_batch)([ds[n] for n in range(len(ds))])
+    record = json.loads((export / "hsx-export.json").read_text())
+    model = Eagle3DraftModel.from_training_args(
+        draft_config,
+        t2d=torch.ones(vocab, dtype=torch.bool),
+        d2t=torch.zeros(vocab, dtype=torch.long),
+        verifier_name_or_path=verifier,
+        draft_vocab_size=vocab,
+        norm_before_residual=True,
+        ttt_steps=2,
+        target_layer_ids=record["layerIds"],  # the layers hsx captured, as its manifest says
+        draft_attn_impl="sdpa",
+    )
+    model.float()
+    train_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(
+        loss_fn="kl_div", loss_implementation="eager", ttt_steps=2, ttt_step_loss_decay=1.0
+    )
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    inputs = {k: batch[k] for k in ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids")}
+    inputs["hidden_states"] = inputs["hidden_states"].float()
+    inputs["verifier_last_hidden_states"] = batch["verifier_last_hidden_states"].float()
+    losses = []
+    for _ in range(2):
+        optimizer.zero_grad()
+        _, loss, _ = model(**inputs, **train_kwargs)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return {
+        "losses": torch.tensor(losses),
+        "verifier_norm": model.verifier_norm.weight.detach().float().contiguous(),
+        "fc_grad": model.fc.weight.grad.detach().abs().sum().reshape(1),
+        "target_layer_ids": torch.tensor(model.target_layer_ids),
+    }
+
+
 def modelopt(export: Path, max_len: int) -> dict[str, torch.Tensor]:
     from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
 
@@ -89,9 +148,12 @@ def modelopt(export: Path, max_len: int) -> dict[str, torch.Tensor]:
 def main(argv: list[str]) -> int:
     mode, export, dest = argv[0], Path(argv[1]), argv[2]
     max_len = int(argv[3]) if len(argv) > 3 else 2048
-    loaded = {"specforge": specforge, "speculators": speculators, "modelopt": modelopt}[mode](export, max_len)
+    if mode == "speculators-step":
+        loaded = speculators_step(export, max_len, argv[4])
+    else:
+        loaded = {"specforge": specforge, "speculators": speculators, "modelopt": modelopt}[mode](export, max_len)
     save_file(loaded, dest)
-    print(f"{mode}: {sum(1 for k in loaded if k.endswith('.index'))} samples loaded", flush=True)
+    print(f"{mode}: {sorted(loaded)[:6]}", flush=True)
     return 0
 
 

@@ -221,6 +221,16 @@ WRITERS: dict[str, Callable[[Path, int, int], Any]] = {
 TRAINERS = tuple(WRITERS)
 
 
+def _layer_ids(manifest: dict[str, Any] | None) -> list[int] | None:
+    """The aux layers' ids, for the trainer's ``target_layer_ids`` (SGLang's numbering: inputs of those layers)."""
+    m = manifest or {}
+    capture, run = m.get("capture"), m.get("run")
+    ids = capture.get("layerIds") if isinstance(capture, dict) else None
+    if ids is None and isinstance(run, dict):
+        ids = run.get("captureLayers")
+    return [int(i) for i in ids] if isinstance(ids, list) else None
+
+
 def _check_dest(dest: Path) -> None:
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ExportError(f"{dest} exists and is not an empty directory (an export never mixes with other files)")
@@ -307,6 +317,7 @@ def export(
         "samples": len(reader),
         "hiddenSize": hidden,
         "auxLayers": aux_width // hidden,
+        "layerIds": _layer_ids(manifest),
         "sourceFinalState": have,
         "finalStateRecorded": recorded_final_state(manifest) is not None,
         "finalState": WRITERS[trainer].wants,  # type: ignore[attr-defined]
