@@ -103,7 +103,7 @@ def bits(t: Any) -> np.ndarray:
 
 @pytest.fixture(scope="session")
 def norm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama whose final-norm weight is random (the builder's is all ones)."""
+    """A tiny Llama whose final-norm weight is random (the builder's is all ones), with a weight index."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -113,6 +113,9 @@ def norm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     w = weights["model.norm.weight"]
     weights["model.norm.weight"] = (0.5 + torch.rand(w.shape, generator=gen)).to(w.dtype)
     save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    # SpecForge's TargetHead reads weights only through an index, as real checkpoints have one.
+    index = {"metadata": {}, "weight_map": dict.fromkeys(weights, "model.safetensors")}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
     return model
 
 

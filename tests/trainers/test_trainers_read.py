@@ -57,6 +57,23 @@ def test_specforge_trains_on_an_s3_extraction(
     assert loaded["batch.input_ids"].shape[0] == 2 and loaded["batch.loss_mask"].shape[1] >= lengths[0]
 
 
+def test_specforge_trains_a_draft_one_step_on_cpu(
+    prenorm_run: dict[str, Any], trainers_python: Path, tmp_path: Path
+) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    dest = tmp_path / "specforge"
+    model = prenorm_run["model"]
+    assert hsx(["export", "--to", "specforge", prenorm_run["uri"], str(dest), "--model", str(model)]) == 0
+    out = run_trainer(trainers_python, "specforge-step", dest, tmp_path / "step.safetensors", 512, verifier=model)
+    losses = out["losses"]
+    assert bool(torch.isfinite(losses).all()) and float(losses[0]) > 0
+    assert float(losses[1]) < float(losses[0])
+    # the teacher is the target's own lm_head over the exported (post-norm) state
+    assert torch.equal(out["head"], load_file(str(model / "model.safetensors"))["lm_head.weight"].float())
+
+
 def test_speculators_reads_a_pre_norm_run(
     prenorm_run: dict[str, Any], trainers_python: Path, tmp_path: Path
 ) -> None:

@@ -1,7 +1,7 @@
 """Runs in the trainers venv (no hsx there): load an export with the trainer's OWN data code, write what it got.
 
 ``python trainer_side.py specforge|speculators|modelopt EXPORT_DIR OUT.safetensors [MAX_LEN]``
-``python trainer_side.py speculators-step EXPORT_DIR OUT.safetensors MAX_LEN VERIFIER_DIR`` (one training step)
+``python trainer_side.py specforge-step|speculators-step EXPORT_DIR OUT.safetensors MAX_LEN MODEL_DIR`` (a training step)
 
 Each mode goes through the trainer's offline loading path as its training entry point wires it
 (SpecForge 0.2: reader -> feature store -> EAGLE-3 normalizer -> collator; speculators 0.9:
@@ -66,6 +66,71 @@ def speculators(export: Path, max_len: int) -> dict[str, torch.Tensor]:
     for key in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask", "document_ids"):
         out[f"batch.{key}"] = batch[key].contiguous()
     return out
+
+
+def specforge_step(export: Path, max_len: int, target: str) -> dict[str, torch.Tensor]:
+    """One CPU training step of a 1-layer EAGLE-3 draft through SpecForge's own offline strategy.
+
+    Data as SpecForge's offline path delivers it (reader, feature store, normaliser, collator); the
+    frozen ``TargetHead`` (the target's lm_head, no norm: SpecForge expects post-norm states) turns the
+    stored final state into the teacher; ``Eagle3TrainStrategy.forward_loss`` over
+    ``OnlineEagle3Model`` computes the loss, with a full-vocabulary mapping. The one substitution: the
+    loss kernel (Triton, GPU only) by SpecForge's torch reference of it."""
+    from transformers import AutoConfig
+
+    from specforge.algorithms.eagle3.data import (
+        build_offline_collator,
+        build_offline_normalizer,
+        build_offline_reader,
+    )
+    from specforge.algorithms.eagle3.model import OnlineEagle3Model
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    from specforge.modeling.target.target_head import TargetHead
+    from specforge.runtime.contracts import TrainBatch
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+    from specforge.training.strategies.base import Eagle3TrainStrategy
+
+    import specforge.algorithms.eagle3.model as eagle3_model
+    from specforge.core.loss import _compute_loss
+
+    # SpecForge's KL loss is a Triton kernel (GPU only); on CPU use SpecForge's own torch reference of
+    # the same loss (specforge/core/loss.py), uncompiled. Everything else is SpecForge's code as is.
+    reference = getattr(_compute_loss, "_torchdynamo_orig_callable", _compute_loss)
+
+    class ReferenceLoss:
+        apply = staticmethod(reference)
+
+    eagle3_model.LogSoftmaxLoss = ReferenceLoss  # type: ignore[misc,assignment]
+    torch.manual_seed(0)
+    refs = build_offline_reader(str(export), run_id="hsx", ttt_length=2, max_len=max_len).read()
+    store = LocalFeatureStore()
+    normalize = build_offline_normalizer(max_len)
+    items = []
+    for ref in refs[:2]:
+        raw, handle = store.get(ref)
+        items.append(normalize(raw))
+        store.release(handle)
+    batch = build_offline_collator()(items)
+    config = AutoConfig.from_pretrained(target)
+    config.num_hidden_layers = 1
+    config.draft_vocab_size = config.vocab_size
+    draft = LlamaForCausalLMEagle3(config, attention_backend="sdpa").to(torch.bfloat16)  # as SpecForge trains
+    draft.t2d.fill_(True)
+    draft.d2t.zero_()
+    head = TargetHead.from_pretrained(target)
+    strategy = Eagle3TrainStrategy(OnlineEagle3Model(draft, length=2, attention_backend="sdpa"), target_head=head)
+    tensors = {k: batch[k] for k in ("input_ids", "attention_mask", "loss_mask", "hidden_state", "target")}
+    train = TrainBatch(sample_ids=[r.sample_id for r in refs[:2]], strategy="eagle3", tensors=tensors,
+                       metadata={"target_repr": "hidden_state"})  # fmt: skip
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-3)
+    losses = []
+    for _ in range(2):
+        optimizer.zero_grad()
+        loss = strategy.forward_loss(train).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return {"losses": torch.tensor(losses), "head": head.fc.weight.detach().float().contiguous()}
 
 
 def speculators_step(export: Path, max_len: int, verifier: str) -> dict[str, torch.Tensor]:
@@ -148,8 +213,8 @@ def modelopt(export: Path, max_len: int) -> dict[str, torch.Tensor]:
 def main(argv: list[str]) -> int:
     mode, export, dest = argv[0], Path(argv[1]), argv[2]
     max_len = int(argv[3]) if len(argv) > 3 else 2048
-    if mode == "speculators-step":
-        loaded = speculators_step(export, max_len, argv[4])
+    if mode.endswith("-step"):
+        loaded = {"specforge-step": specforge_step, "speculators-step": speculators_step}[mode](export, max_len, argv[4])
     else:
         loaded = {"specforge": specforge, "speculators": speculators, "modelopt": modelopt}[mode](export, max_len)
     save_file(loaded, dest)
