@@ -20,7 +20,20 @@ from tests.trainers.conftest import bits
 
 def test_pre_norm_states_get_the_models_own_final_norm(prenorm_run: dict[str, Any], tmp_path: Path) -> None:
     dest = tmp_path / "sf"
-    assert hsx(["export", "--to", "specforge", prenorm_run["uri"], str(dest), "--model", str(prenorm_run["model"])]) == 0
+    assert (
+        hsx(
+            [
+                "export",
+                "--to",
+                "specforge",
+                prenorm_run["uri"],
+                str(dest),
+                "--model",
+                str(prenorm_run["model"]),
+            ]
+        )
+        == 0
+    )
     reader = OutputReader(prenorm_run["uri"])
     files = sorted(dest.rglob("*.ckpt"))
     assert len(files) == len(reader) == 5
@@ -45,13 +58,17 @@ def test_post_norm_to_a_pre_norm_trainer_is_refused(s3_run: Any, tmp_path: Path,
     assert not dest.exists() or not any(dest.iterdir())
 
 
-def test_pre_norm_to_a_post_norm_trainer_needs_the_model(prenorm_run: dict[str, Any], tmp_path: Path, capsys: Any) -> None:
+def test_pre_norm_to_a_post_norm_trainer_needs_the_model(
+    prenorm_run: dict[str, Any], tmp_path: Path, capsys: Any
+) -> None:
     for trainer in ("specforge", "modelopt"):
         assert hsx(["export", "--to", trainer, prenorm_run["uri"], str(tmp_path / trainer)]) != 0
         assert "pass --model DIR" in capsys.readouterr().err
 
 
-def test_an_unrecorded_convention_is_not_guessed(prenorm_run: dict[str, Any], tmp_path: Path, capsys: Any) -> None:
+def test_an_unrecorded_convention_is_not_guessed(
+    prenorm_run: dict[str, Any], tmp_path: Path, capsys: Any
+) -> None:
     copy = tmp_path / "out"
     import shutil
 
@@ -64,12 +81,18 @@ def test_an_unrecorded_convention_is_not_guessed(prenorm_run: dict[str, Any], tm
     assert hsx(["export", "--to", "speculators", uri, str(tmp_path / "a")]) != 0
     assert "will not guess" in capsys.readouterr().err
     # the user may say what an old run holds...
-    assert hsx(["export", "--to", "speculators", uri, str(tmp_path / "b"), "--assume-final-state", "pre-norm"]) == 0
+    assert (
+        hsx(["export", "--to", "speculators", uri, str(tmp_path / "b"), "--assume-final-state", "pre-norm"])
+        == 0
+    )
     assert len(list((tmp_path / "b" / "hidden_states").glob("hs_*.safetensors"))) == 5
     # ...but never against what the manifest records
     body["capture"] = {"finalState": "pre-norm"}
     manifest.write_text(json.dumps(body))
-    assert hsx(["export", "--to", "speculators", uri, str(tmp_path / "c"), "--assume-final-state", "post-norm"]) != 0
+    assert (
+        hsx(["export", "--to", "speculators", uri, str(tmp_path / "c"), "--assume-final-state", "post-norm"])
+        != 0
+    )
     assert "contradicts the manifest" in capsys.readouterr().err
 
 

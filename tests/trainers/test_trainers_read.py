@@ -66,7 +66,9 @@ def test_specforge_trains_a_draft_one_step_on_cpu(
     dest = tmp_path / "specforge"
     model = prenorm_run["model"]
     assert hsx(["export", "--to", "specforge", prenorm_run["uri"], str(dest), "--model", str(model)]) == 0
-    out = run_trainer(trainers_python, "specforge-step", dest, tmp_path / "step.safetensors", 512, verifier=model)
+    out = run_trainer(
+        trainers_python, "specforge-step", dest, tmp_path / "step.safetensors", 512, verifier=model
+    )
     losses = out["losses"]
     assert bool(torch.isfinite(losses).all()) and float(losses[0]) > 0
     assert float(losses[1]) < float(losses[0])
@@ -114,14 +116,19 @@ def test_speculators_trains_a_draft_one_step_on_cpu(
     # the norm speculators applies to the pre-norm states is the target model's own final norm
     model_norm = load_file(str(prenorm_run["model"] / "model.safetensors"))["model.norm.weight"].float()
     assert torch.equal(out["verifier_norm"], model_norm)
-    assert out["target_layer_ids"].tolist() == OutputReader(prenorm_run["uri"]).manifest()["run"]["captureLayers"]
+    assert (
+        out["target_layer_ids"].tolist()
+        == OutputReader(prenorm_run["uri"]).manifest()["run"]["captureLayers"]
+    )
 
 
 def test_modelopt_reads_an_export_with_the_norm_applied(
     prenorm_run: dict[str, Any], trainers_python: Path, tmp_path: Path
 ) -> None:
     dest = tmp_path / "modelopt"
-    code = hsx(["export", "--to", "modelopt", prenorm_run["uri"], str(dest), "--model", str(prenorm_run["model"])])
+    code = hsx(
+        ["export", "--to", "modelopt", prenorm_run["uri"], str(dest), "--model", str(prenorm_run["model"])]
+    )
     assert code == 0
     loaded = run_trainer(trainers_python, "modelopt", dest, tmp_path / "mo.safetensors", max_len=64)
     want = stored(prenorm_run["uri"])

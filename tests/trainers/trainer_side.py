@@ -76,22 +76,20 @@ def specforge_step(export: Path, max_len: int, target: str) -> dict[str, torch.T
     stored final state into the teacher; ``Eagle3TrainStrategy.forward_loss`` over
     ``OnlineEagle3Model`` computes the loss, with a full-vocabulary mapping. The one substitution: the
     loss kernel (Triton, GPU only) by SpecForge's torch reference of it."""
-    from transformers import AutoConfig
-
+    import specforge.algorithms.eagle3.model as eagle3_model
     from specforge.algorithms.eagle3.data import (
         build_offline_collator,
         build_offline_normalizer,
         build_offline_reader,
     )
     from specforge.algorithms.eagle3.model import OnlineEagle3Model
+    from specforge.core.loss import _compute_loss
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
     from specforge.modeling.target.target_head import TargetHead
     from specforge.runtime.contracts import TrainBatch
     from specforge.runtime.data_plane.feature_store import LocalFeatureStore
     from specforge.training.strategies.base import Eagle3TrainStrategy
-
-    import specforge.algorithms.eagle3.model as eagle3_model
-    from specforge.core.loss import _compute_loss
+    from transformers import AutoConfig
 
     # SpecForge's KL loss is a Triton kernel (GPU only); on CPU use SpecForge's own torch reference of
     # the same loss (specforge/core/loss.py), uncompiled. Everything else is SpecForge's code as is.
@@ -118,7 +116,9 @@ def specforge_step(export: Path, max_len: int, target: str) -> dict[str, torch.T
     draft.t2d.fill_(True)
     draft.d2t.zero_()
     head = TargetHead.from_pretrained(target)
-    strategy = Eagle3TrainStrategy(OnlineEagle3Model(draft, length=2, attention_backend="sdpa"), target_head=head)
+    strategy = Eagle3TrainStrategy(
+        OnlineEagle3Model(draft, length=2, attention_backend="sdpa"), target_head=head
+    )
     tensors = {k: batch[k] for k in ("input_ids", "attention_mask", "loss_mask", "hidden_state", "target")}
     train = TrainBatch(sample_ids=[r.sample_id for r in refs[:2]], strategy="eagle3", tensors=tensors,
                        metadata={"target_repr": "hidden_state"})  # fmt: skip
@@ -141,11 +141,10 @@ def speculators_step(export: Path, max_len: int, verifier: str) -> dict[str, tor
     loaded from ``verifier``), over a full-vocabulary mapping."""
     import copy
 
-    from transformers import AutoConfig
-
     from speculators.models.eagle3.core import Eagle3DraftModel
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset, CollateFn
+    from transformers import AutoConfig
 
     torch.manual_seed(0)
     verifier_config = AutoConfig.from_pretrained(verifier)
@@ -172,7 +171,9 @@ def speculators_step(export: Path, max_len: int, verifier: str) -> dict[str, tor
         loss_fn="kl_div", loss_implementation="eager", ttt_steps=2, ttt_step_loss_decay=1.0
     )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    inputs = {k: batch[k] for k in ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids")}
+    inputs = {
+        k: batch[k] for k in ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids")
+    }
     inputs["hidden_states"] = inputs["hidden_states"].float()
     inputs["verifier_last_hidden_states"] = batch["verifier_last_hidden_states"].float()
     losses = []
@@ -214,9 +215,13 @@ def main(argv: list[str]) -> int:
     mode, export, dest = argv[0], Path(argv[1]), argv[2]
     max_len = int(argv[3]) if len(argv) > 3 else 2048
     if mode.endswith("-step"):
-        loaded = {"specforge-step": specforge_step, "speculators-step": speculators_step}[mode](export, max_len, argv[4])
+        loaded = {"specforge-step": specforge_step, "speculators-step": speculators_step}[mode](
+            export, max_len, argv[4]
+        )
     else:
-        loaded = {"specforge": specforge, "speculators": speculators, "modelopt": modelopt}[mode](export, max_len)
+        loaded = {"specforge": specforge, "speculators": speculators, "modelopt": modelopt}[mode](
+            export, max_len
+        )
     save_file(loaded, dest)
     print(f"{mode}: {sorted(loaded)[:6]}", flush=True)
     return 0

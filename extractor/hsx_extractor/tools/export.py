@@ -233,7 +233,9 @@ def _layer_ids(manifest: dict[str, Any] | None) -> list[int] | None:
 
 def _check_dest(dest: Path) -> None:
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise ExportError(f"{dest} exists and is not an empty directory (an export never mixes with other files)")
+        raise ExportError(
+            f"{dest} exists and is not an empty directory (an export never mixes with other files)"
+        )
     dest.mkdir(parents=True, exist_ok=True)
 
 
