@@ -130,7 +130,7 @@ def specforge_step(export: Path, max_len: int, target: str) -> dict[str, torch.T
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
-    return {"losses": torch.tensor(losses), "head": head.fc.weight.detach().float().contiguous()}
+    return {"losses": torch.tensor(losses), "head": head.fc.weight.detach().contiguous()}
 
 
 def speculators_step(export: Path, max_len: int, verifier: str) -> dict[str, torch.Tensor]:
