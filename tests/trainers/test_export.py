@@ -49,11 +49,27 @@ def test_pre_norm_states_get_the_models_own_final_norm(prenorm_run: dict[str, An
     assert record["finalNormApplied"] == "model.safetensors:model.norm.weight"
 
 
-@pytest.mark.s3
-def test_post_norm_to_a_pre_norm_trainer_is_refused(s3_run: Any, tmp_path: Path, capsys: Any) -> None:
-    uri, _ = s3_run
+def relabelled(run: dict[str, Any], tmp_path: Path, capture: dict[str, Any] | None) -> tuple[str, Path]:
+    """A copy of the run whose manifest's ``capture`` is ``capture`` (None: no capture record)."""
+    import shutil
+
+    copy = tmp_path / "out"
+    shutil.copytree(Path(run["uri"]).parent, copy)
+    manifest = copy / "pre" / MANIFEST_NAME
+    body = json.loads(manifest.read_text())
+    body.pop("capture", None)
+    if capture is not None:
+        body["capture"] = capture
+    manifest.write_text(json.dumps(body))
+    return str(copy / "pre"), manifest
+
+
+def test_post_norm_to_a_pre_norm_trainer_is_refused(
+    prenorm_run: dict[str, Any], tmp_path: Path, capsys: Any
+) -> None:
+    uri, _ = relabelled(prenorm_run, tmp_path, {"finalState": "post-norm"})
     dest = tmp_path / "sp"
-    assert hsx(["export", "--to", "speculators", uri, str(dest)]) != 0
+    assert hsx(["export", "--to", "speculators", uri, str(dest), "--model", str(prenorm_run["model"])]) != 0
     assert "would apply the norm twice" in capsys.readouterr().err
     assert not dest.exists() or not any(dest.iterdir())
 
@@ -69,15 +85,8 @@ def test_pre_norm_to_a_post_norm_trainer_needs_the_model(
 def test_an_unrecorded_convention_is_not_guessed(
     prenorm_run: dict[str, Any], tmp_path: Path, capsys: Any
 ) -> None:
-    copy = tmp_path / "out"
-    import shutil
-
-    shutil.copytree(Path(prenorm_run["uri"]).parent, copy)
-    manifest = copy / "pre" / MANIFEST_NAME
+    uri, manifest = relabelled(prenorm_run, tmp_path, None)
     body = json.loads(manifest.read_text())
-    del body["capture"]
-    manifest.write_text(json.dumps(body))
-    uri = str(copy / "pre")
     assert hsx(["export", "--to", "speculators", uri, str(tmp_path / "a")]) != 0
     assert "will not guess" in capsys.readouterr().err
     # the user may say what an old run holds...
