@@ -36,10 +36,12 @@ $(VENV)/.installed: pyproject.toml | $(UV)
 
 venv: $(VENV)/.installed
 
-# Real kube-apiserver, controller-manager, scheduler, etcd, helm, kubectl, hadolint (cached by version).
+# Real kube-apiserver, controller-manager, scheduler, etcd, helm, kubectl, hadolint, the SGLang CPU venv and
+# the trainers' venv (cached by version).
 test-tools: venv
 	bash tests/cluster/build.sh
 	bash tests/engines/build_sglang.sh
+	bash tests/trainers/build_trainers.sh
 
 lint: venv
 	$(BIN)/ruff check .

@@ -159,6 +159,34 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from hsx_extractor.storage.backends import StoreError
+    from hsx_extractor.tools.export import ExportError, export
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        record = export(
+            args.output,
+            args.to,
+            args.dest,
+            model_dir=args.model,
+            assume_final_state=args.assume_final_state,
+            log=log,
+        )
+    except (ExportError, StoreError, ValueError) as exc:
+        print(f"hsx export: refused: {exc}", file=sys.stderr, flush=True)
+        return EXIT_PERMANENT
+    applied = record["finalNormApplied"]
+    print(
+        f"hsx export: {record['samples']} samples of {record['runId']} for {record['trainer']} in {args.dest} "
+        f"(final state {record['finalState']}" + (f", final norm applied from {applied})" if applied else ")"),
+        flush=True,
+    )
+    return EXIT_OK
+
+
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from hsx_extractor.tools.tinymodel import TinyModelSpec, build_tiny_model
 
@@ -248,6 +276,28 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--enable-test-hooks", action="store_true", help="TEST HOOK: allow POST /hsx_test/fault")
     p.set_defaults(func=cmd_serve_reference)
+
+    from hsx_extractor.tools.export import FINAL_STATES, TRAINERS
+
+    p = sub.add_parser(
+        "export",
+        help="write a committed run in a trainer's offline layout (SpecForge, speculators, Model-Optimizer)",
+        description="Streams the run (checksums verified) into DEST in the trainer's own layout; "
+        "see docs/training.md. The final-norm convention is converted or refused, never guessed.",
+    )
+    p.add_argument("output", help="the run: {output.uri}/{runId} (directory or s3://)")
+    p.add_argument("dest", help="a new or empty local directory")
+    p.add_argument("--to", required=True, choices=TRAINERS, help="the trainer whose layout to write")
+    p.add_argument(
+        "--model", default=None, help="target model directory: its final RMSNorm turns pre-norm states post-norm"
+    )
+    p.add_argument(
+        "--assume-final-state",
+        choices=FINAL_STATES,
+        default=None,
+        help="for runs whose manifest does not record it (refused if the manifest says otherwise)",
+    )
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("fingerprint", help="print a tokenizer's fingerprint")
     p.add_argument("dir", help="tokenizer (or model) directory")

@@ -1,0 +1,330 @@
+"""``hsx export --to specforge|speculators|modelopt OUTPUT DEST``: a committed run in a trainer's own layout.
+
+Streams the run through :class:`OutputReader` (local or S3, every sample checksummed) and writes one
+file per sample in the layout each trainer's offline loader reads (docs/training.md):
+
+* ``specforge``: ``rows_{g}-{g+2000}/data_{index}.ckpt``, ``torch.save`` of ``input_ids`` long [L],
+  ``loss_mask`` long [L], ``hidden_state`` bf16 [1, L, H], ``aux_hidden_state`` bf16 [1, L, K*H]
+  (SpecForge 0.2's ``OfflineManifestReader``; the final state post-norm: SGLang's).
+* ``speculators``: a ``datasets`` directory (``input_ids``, ``loss_mask``, ``seq_len``; torch format)
+  and ``hidden_states/hs_{position}.safetensors`` holding ``token_ids`` int64 [T] and
+  ``hidden_states`` bf16 [T, K+1, H], the last slot the final state **pre-norm** (speculators'
+  ``ArrowDataset`` + ``FileTransfer``; its trainer applies the verifier's norm itself).
+* ``modelopt``: ``{index}.pt``, ``torch.save`` of ``input_ids``, ``hidden_states`` [L, H] (post-norm),
+  ``aux_hidden_states`` [L, K*H], ``loss_mask``, ``conversation_id`` (Model-Optimizer's
+  ``OfflineSupervisedDataset``).
+
+The final-norm convention is never guessed: the run's manifest says which state it holds, or the
+user says so with ``assume_final_state`` (refused if it contradicts the manifest). Pre-norm data for
+a post-norm trainer goes through the model's own final RMSNorm when ``model_dir`` is given
+(:mod:`hsx_extractor.tools.final_norm`); post-norm data for a pre-norm trainer is refused (the norm
+cannot be undone). ``DEST`` must be new or empty; ``hsx-export.json`` is written last, so a
+directory without it is an interrupted export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hsx_extractor.config import OutputSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from hsx_extractor.tools.final_norm import FinalNorm
+
+POST_NORM, PRE_NORM = "post-norm", "pre-norm"
+FINAL_STATES = (POST_NORM, PRE_NORM)
+EXPORT_RECORD = "hsx-export.json"
+SPECFORGE_GROUP = 2000  # samples per rows_* folder, as SpecForge's prepare_hidden_states writes them
+
+
+class ExportError(Exception):
+    """The export is refused (convention, destination) or its input is unusable."""
+
+
+def recorded_final_state(manifest: dict[str, Any] | None) -> str | None:
+    """The one reading of an output's final-state convention: ``manifest["capture"]["finalState"]``."""
+    capture = (manifest or {}).get("capture")
+    value = capture.get("finalState") if isinstance(capture, dict) else None
+    if value is not None and value not in FINAL_STATES:
+        raise ExportError(f"the manifest's capture.finalState is {value!r}, not one of {FINAL_STATES}")
+    return value
+
+
+def source_final_state(manifest: dict[str, Any] | None, assume: str | None) -> str:
+    recorded = recorded_final_state(manifest)
+    if recorded is None and assume is None:
+        raise ExportError(
+            "the run's manifest does not record whether its final state is before or after the final norm "
+            "(capture.finalState); hsx will not guess: pass --assume-final-state post-norm|pre-norm "
+            "(hsx's SGLang and reference-server captures are post-norm)"
+        )
+    if recorded is not None and assume is not None and recorded != assume:
+        raise ExportError(f"--assume-final-state {assume} contradicts the manifest, which records {recorded}")
+    return recorded or str(assume)
+
+
+@dataclass(frozen=True)
+class Sample:
+    position: int  # 0-based among the run's samples, in dataset order
+    index: int  # dataset index (the sample's identity in the run)
+    input_ids: torch.Tensor  # long [L]
+    loss_mask: torch.Tensor  # long [L]
+    aux: torch.Tensor  # bf16 [L, K*H]
+    final: torch.Tensor  # bf16 [L, H], in the convention the trainer wants
+
+
+def _save_torch(obj: dict[str, Any], path: Path) -> None:
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)  # a trainer listing the folder never sees half a file
+
+
+class SpecForgeWriter:
+    wants = POST_NORM
+
+    def __init__(self, dest: Path, hidden_size: int, num_aux: int):
+        self.dest = dest
+
+    def add(self, s: Sample) -> None:
+        group = s.index // SPECFORGE_GROUP * SPECFORGE_GROUP
+        path = self.dest / f"rows_{group}-{group + SPECFORGE_GROUP}" / f"data_{s.index}.ckpt"
+        _save_torch(
+            {
+                "input_ids": s.input_ids,
+                "loss_mask": s.loss_mask,
+                "hidden_state": s.final.unsqueeze(0),
+                "aux_hidden_state": s.aux.unsqueeze(0),
+            },
+            path,
+        )
+
+    def close(self) -> dict[str, Any]:
+        return {}
+
+
+class ModelOptWriter:
+    wants = POST_NORM
+
+    def __init__(self, dest: Path, hidden_size: int, num_aux: int):
+        self.dest = dest
+
+    def add(self, s: Sample) -> None:
+        _save_torch(
+            {
+                "input_ids": s.input_ids,
+                "hidden_states": s.final,
+                "aux_hidden_states": s.aux,
+                "loss_mask": s.loss_mask,
+                "conversation_id": s.index,
+            },
+            self.dest / f"{s.index}.pt",
+        )
+
+    def close(self) -> dict[str, Any]:
+        return {}
+
+
+class SpeculatorsWriter:
+    """Hidden states per position (speculators' file index is the dataset row's position), rows as Arrow.
+
+    The row table is written with pyarrow in the layout ``datasets.Dataset.save_to_disk`` writes
+    (Arrow stream, ``dataset_info.json``, ``state.json`` with the torch format), so hsx needs no
+    ``datasets`` package; the tests load it with the real ``datasets.load_from_disk``.
+    """
+
+    wants = PRE_NORM
+    ARROW = "data-00000-of-00001.arrow"
+    BATCH = 256
+
+    def __init__(self, dest: Path, hidden_size: int, num_aux: int):
+        import pyarrow as pa
+
+        self.dest, self.hidden_size, self.num_aux = dest, hidden_size, num_aux
+        (dest / "hidden_states").mkdir(parents=True, exist_ok=True)
+        ints = pa.list_(pa.int64())
+        self.schema = pa.schema(
+            [("input_ids", ints), ("loss_mask", ints), ("seq_len", pa.int64()), ("hsx_index", pa.int64())],
+            metadata={"huggingface": json.dumps({"info": {"features": self.features()}})},
+        )
+        self.sink = pa.OSFile(str(dest / self.ARROW), "wb")
+        self.writer = pa.ipc.new_stream(self.sink, self.schema)
+        self.rows: dict[str, list[Any]] = {name: [] for name in self.schema.names}
+
+    @staticmethod
+    def features() -> dict[str, Any]:
+        value = {"dtype": "int64", "_type": "Value"}
+        ints = {"feature": value, "_type": "List"}
+        return {"input_ids": ints, "loss_mask": ints, "seq_len": value, "hsx_index": value}
+
+    def add(self, s: Sample) -> None:
+        import torch
+        from safetensors.torch import save_file
+
+        seq_len = int(s.input_ids.shape[0])
+        layers = s.aux.reshape(seq_len, self.num_aux, self.hidden_size)
+        stacked = torch.cat([layers, s.final.unsqueeze(1)], dim=1).contiguous()
+        path = self.dest / "hidden_states" / f"hs_{s.position}.safetensors"
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({"token_ids": s.input_ids.contiguous(), "hidden_states": stacked}, str(tmp))
+        os.replace(tmp, path)
+        for name, value in (
+            ("input_ids", s.input_ids.tolist()),
+            ("loss_mask", s.loss_mask.tolist()),
+            ("seq_len", seq_len),
+            ("hsx_index", s.index),
+        ):
+            self.rows[name].append(value)
+        if len(self.rows["seq_len"]) >= self.BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+
+        if self.rows["seq_len"]:
+            self.writer.write_batch(pa.record_batch(self.rows, schema=self.schema))
+            self.rows = {name: [] for name in self.schema.names}
+
+    def close(self) -> dict[str, Any]:
+        self._flush()
+        self.writer.close()
+        self.sink.close()
+        info = {"citation": "", "description": "", "features": self.features(), "homepage": "", "license": ""}
+        (self.dest / "dataset_info.json").write_text(json.dumps(info, indent=2))
+        state: dict[str, Any] = {
+            "_data_files": [{"filename": self.ARROW}],
+            "_fingerprint": os.urandom(8).hex(),
+            "_format_columns": None,
+            "_format_kwargs": {},
+            "_format_type": "torch",
+            "_output_all_columns": False,
+            "_split": None,
+        }
+        (self.dest / "state.json").write_text(json.dumps(state, indent=2))
+        return {"hiddenStates": "hidden_states/hs_{position}.safetensors", "rows": self.ARROW}
+
+
+WRITERS: dict[str, Callable[[Path, int, int], Any]] = {
+    "specforge": SpecForgeWriter,
+    "speculators": SpeculatorsWriter,
+    "modelopt": ModelOptWriter,
+}
+TRAINERS = tuple(WRITERS)
+
+
+def _layer_ids(manifest: dict[str, Any] | None) -> list[int] | None:
+    """The aux layers' ids, for the trainer's ``target_layer_ids`` (SGLang's numbering: inputs of those layers)."""
+    m = manifest or {}
+    capture, run = m.get("capture"), m.get("run")
+    ids = capture.get("layerIds") if isinstance(capture, dict) else None
+    if ids is None and isinstance(run, dict):
+        ids = run.get("captureLayers")
+    return [int(i) for i in ids] if isinstance(ids, list) else None
+
+
+def _check_dest(dest: Path) -> None:
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise ExportError(
+            f"{dest} exists and is not an empty directory (an export never mixes with other files)"
+        )
+    dest.mkdir(parents=True, exist_ok=True)
+
+
+def plan_conversion(trainer: str, have: str, model_dir: str | None, hidden_size: int) -> FinalNorm | None:
+    """The norm to apply (None: states go as stored), or ExportError when the trainer cannot get what it expects."""
+    wants = WRITERS[trainer].wants  # type: ignore[attr-defined]
+    if have == wants:
+        return None
+    if have == POST_NORM:
+        raise ExportError(
+            f"{trainer} expects the final state before the final norm and applies the norm itself; this run "
+            "holds it after the norm, which cannot be undone: exporting it would apply the norm twice"
+        )
+    if model_dir is None:
+        raise ExportError(
+            f"{trainer} expects the final state after the final norm and this run holds it before: pass "
+            "--model DIR (the target model) to apply its final RMSNorm"
+        )
+    from hsx_extractor.tools.final_norm import FinalNormError, load_final_norm
+
+    try:
+        return load_final_norm(model_dir, hidden_size)
+    except (FinalNormError, OSError) as exc:
+        raise ExportError(f"cannot apply the final norm from {model_dir}: {exc}") from exc
+
+
+def export(
+    uri: str,
+    trainer: str,
+    dest: str | Path,
+    *,
+    model_dir: str | None = None,
+    assume_final_state: str | None = None,
+    output: OutputSpec | None = None,
+    verify_checksums: bool = True,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """Export the committed run at ``uri`` for ``trainer`` into ``dest``; returns the export record."""
+    from hsx_extractor.reader import OutputReader, to_specforge  # torch: not for `hsx --help`
+
+    if trainer not in WRITERS:
+        raise ExportError(f"unknown trainer {trainer!r}: one of {TRAINERS}")
+    if assume_final_state is not None and assume_final_state not in FINAL_STATES:
+        raise ExportError(f"--assume-final-state must be one of {FINAL_STATES}")
+    reader = OutputReader(uri, output)
+    manifest = reader.manifest()
+    have = source_final_state(manifest, assume_final_state)
+    if len(reader) == 0:
+        raise ExportError(f"{uri} holds no samples")
+    first = reader.read(0, verify_checksums)
+    hidden = int(first.hidden_states.shape[1])
+    aux_width = int(first.aux_hidden_states.shape[1])
+    if aux_width % hidden:
+        raise ExportError(f"aux width {aux_width} is not a multiple of the hidden size {hidden}")
+    norm = plan_conversion(trainer, have, model_dir, hidden)
+    root = Path(dest)
+    _check_dest(root)
+    writer = WRITERS[trainer](root, hidden, aux_width // hidden)
+    for position in range(len(reader)):
+        rec = first if position == 0 else reader.read(position, verify_checksums)
+        t = to_specforge(rec)
+        final = t["hidden_state"].squeeze(0)
+        writer.add(
+            Sample(
+                position,
+                rec.index,
+                t["input_ids"],
+                t["loss_mask"],
+                t["aux_hidden_state"].squeeze(0),
+                norm(final) if norm is not None else final,
+            )
+        )
+        if (position + 1) % 1000 == 0:
+            log(f"hsx export: {position + 1}/{len(reader)} samples")
+    extra = writer.close()
+    record = {
+        "format": "hsx-export/1",
+        "trainer": trainer,
+        "source": uri,
+        "runId": reader.run_id,
+        "samples": len(reader),
+        "hiddenSize": hidden,
+        "auxLayers": aux_width // hidden,
+        "layerIds": _layer_ids(manifest),
+        "sourceFinalState": have,
+        "finalStateRecorded": recorded_final_state(manifest) is not None,
+        "finalState": WRITERS[trainer].wants,  # type: ignore[attr-defined]
+        "finalNormApplied": norm.source if norm is not None else None,
+        **extra,
+    }
+    (root / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    return record

@@ -1,0 +1,132 @@
+"""``hsx export``: the final-norm convention converted or refused, never silently wrong (no trainer venv needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from hsx_extractor.reader import OutputReader
+from hsx_extractor.storage.layout import MANIFEST_NAME
+from hsx_extractor.tools.cli import main as hsx
+from hsx_extractor.tools.export import EXPORT_RECORD, ExportError, recorded_final_state
+from hsx_extractor.tools.final_norm import FinalNormError, load_final_norm
+from tests.trainers.conftest import bits
+
+
+def test_pre_norm_states_get_the_models_own_final_norm(prenorm_run: dict[str, Any], tmp_path: Path) -> None:
+    dest = tmp_path / "sf"
+    assert (
+        hsx(
+            [
+                "export",
+                "--to",
+                "specforge",
+                prenorm_run["uri"],
+                str(dest),
+                "--model",
+                str(prenorm_run["model"]),
+            ]
+        )
+        == 0
+    )
+    reader = OutputReader(prenorm_run["uri"])
+    files = sorted(dest.rglob("*.ckpt"))
+    assert len(files) == len(reader) == 5
+    for path in files:
+        index = int(path.stem.split("_")[1])
+        saved = torch.load(path, weights_only=True)
+        got = bits(saved["hidden_state"][0])
+        assert np.array_equal(got, prenorm_run["post_norm"][index])  # bit for bit the model's own norm
+        pre = reader.read(index).hidden_states
+        assert not np.array_equal(got, pre)  # and the norm changed the values (the test can fail)
+    record = json.loads((dest / EXPORT_RECORD).read_text())
+    assert record["sourceFinalState"] == "pre-norm" and record["finalState"] == "post-norm"
+    assert record["finalNormApplied"] == "model.safetensors:model.norm.weight"
+
+
+def relabelled(run: dict[str, Any], tmp_path: Path, capture: dict[str, Any] | None) -> tuple[str, Path]:
+    """A copy of the run whose manifest's ``capture`` is ``capture`` (None: no capture record)."""
+    import shutil
+
+    copy = tmp_path / "out"
+    shutil.copytree(Path(run["uri"]).parent, copy)
+    manifest = copy / "pre" / MANIFEST_NAME
+    body = json.loads(manifest.read_text())
+    body.pop("capture", None)
+    if capture is not None:
+        body["capture"] = capture
+    manifest.write_text(json.dumps(body))
+    return str(copy / "pre"), manifest
+
+
+def test_post_norm_to_a_pre_norm_trainer_is_refused(
+    prenorm_run: dict[str, Any], tmp_path: Path, capsys: Any
+) -> None:
+    uri, _ = relabelled(prenorm_run, tmp_path, {"finalState": "post-norm"})
+    dest = tmp_path / "sp"
+    assert hsx(["export", "--to", "speculators", uri, str(dest), "--model", str(prenorm_run["model"])]) != 0
+    assert "would apply the norm twice" in capsys.readouterr().err
+    assert not dest.exists() or not any(dest.iterdir())
+
+
+def test_pre_norm_to_a_post_norm_trainer_needs_the_model(
+    prenorm_run: dict[str, Any], tmp_path: Path, capsys: Any
+) -> None:
+    for trainer in ("specforge", "modelopt"):
+        assert hsx(["export", "--to", trainer, prenorm_run["uri"], str(tmp_path / trainer)]) != 0
+        assert "pass --model DIR" in capsys.readouterr().err
+
+
+def test_an_unrecorded_convention_is_not_guessed(
+    prenorm_run: dict[str, Any], tmp_path: Path, capsys: Any
+) -> None:
+    uri, manifest = relabelled(prenorm_run, tmp_path, None)
+    body = json.loads(manifest.read_text())
+    assert hsx(["export", "--to", "speculators", uri, str(tmp_path / "a")]) != 0
+    assert "will not guess" in capsys.readouterr().err
+    # the user may say what an old run holds...
+    assert (
+        hsx(["export", "--to", "speculators", uri, str(tmp_path / "b"), "--assume-final-state", "pre-norm"])
+        == 0
+    )
+    assert len(list((tmp_path / "b" / "hidden_states").glob("hs_*.safetensors"))) == 5
+    # ...but never against what the manifest records
+    body["capture"] = {"finalState": "pre-norm"}
+    manifest.write_text(json.dumps(body))
+    assert (
+        hsx(["export", "--to", "speculators", uri, str(tmp_path / "c"), "--assume-final-state", "post-norm"])
+        != 0
+    )
+    assert "contradicts the manifest" in capsys.readouterr().err
+
+
+def test_destination_must_be_new_or_empty(prenorm_run: dict[str, Any], tmp_path: Path, capsys: Any) -> None:
+    dest = tmp_path / "d"
+    dest.mkdir()
+    (dest / "old.pt").write_bytes(b"x")
+    assert hsx(["export", "--to", "speculators", prenorm_run["uri"], str(dest)]) != 0
+    assert "not an empty directory" in capsys.readouterr().err
+    assert sorted(p.name for p in dest.iterdir()) == ["old.pt"]
+
+
+def test_recorded_final_state_reads_only_known_values() -> None:
+    assert recorded_final_state(None) is None
+    assert recorded_final_state({"capture": {"finalState": "pre-norm"}}) == "pre-norm"
+    with pytest.raises(ExportError):
+        recorded_final_state({"capture": {"finalState": "normed"}})
+
+
+def test_final_norm_refuses_what_it_cannot_apply_exactly(norm_model: Path, tmp_path: Path) -> None:
+    with pytest.raises(FinalNormError, match="hidden size"):
+        load_final_norm(norm_model, 128)
+    config = json.loads((norm_model / "config.json").read_text())
+    gemma = tmp_path / "gemma"
+    gemma.mkdir()
+    (gemma / "config.json").write_text(json.dumps({**config, "model_type": "gemma2"}))
+    with pytest.raises(FinalNormError, match="plain RMSNorm"):
+        load_final_norm(gemma, config["hidden_size"])

@@ -1,0 +1,231 @@
+"""Runs in the trainers venv (no hsx there): load an export with the trainer's OWN data code, write what it got.
+
+``python trainer_side.py specforge|speculators|modelopt EXPORT_DIR OUT.safetensors [MAX_LEN]``
+``python trainer_side.py specforge-step|speculators-step EXPORT_DIR OUT.safetensors MAX_LEN MODEL_DIR`` (a training step)
+
+Each mode goes through the trainer's offline loading path as its training entry point wires it
+(SpecForge 0.2: reader -> feature store -> EAGLE-3 normalizer -> collator; speculators 0.9:
+``ArrowDataset`` + ``CollateFn`` + ``shift_batch``; Model-Optimizer 0.47: ``OfflineSupervisedDataset``
++ ``EagleOfflineDataCollator``) and saves, per sample, the tensors the trainer would train on, keyed
+``{n}.{name}`` with ``{n}.key`` naming the file it came from, for the test to compare with hsx's output.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+def specforge(export: Path, max_len: int) -> dict[str, torch.Tensor]:
+    from specforge.algorithms.eagle3.data import (
+        build_offline_collator,
+        build_offline_normalizer,
+        build_offline_reader,
+    )
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+
+    refs = build_offline_reader(str(export), run_id="hsx", ttt_length=7, max_len=max_len).read()
+    store = LocalFeatureStore()
+    normalize = build_offline_normalizer(max_len)
+    out: dict[str, torch.Tensor] = {}
+    items = []
+    for n, ref in enumerate(refs):
+        raw, handle = store.get(ref)
+        item = normalize(raw)
+        store.release(handle)
+        items.append(item)
+        name = Path(ref.feature_store_uri).name  # data_{index}.ckpt
+        out[f"{n}.index"] = torch.tensor([int(name.split("_")[1].split(".")[0])])
+        for key in ("input_ids", "loss_mask", "hidden_state", "target"):
+            out[f"{n}.{key}"] = item[key].contiguous()
+    batch = build_offline_collator()(items[:2])  # SpecForge's own padding collator
+    out["batch.input_ids"] = batch["input_ids"].contiguous()
+    out["batch.loss_mask"] = batch["loss_mask"].contiguous()
+    return out
+
+
+def speculators(export: Path, max_len: int) -> dict[str, torch.Tensor]:
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import ArrowDataset, CollateFn
+
+    ds = ArrowDataset(max_len=max_len, datapath=str(export), on_missing="raise")
+    out: dict[str, torch.Tensor] = {}
+    items = []
+    for n in range(len(ds)):
+        item = ds[n]
+        items.append(item)
+        out[f"{n}.index"] = torch.tensor([int(ds.data[n]["hsx_index"])])
+        for key in ("input_ids", "loss_mask", "hidden_states", "verifier_last_hidden_states"):
+            out[f"{n}.{key}"] = item[key].contiguous()
+    hidden = items[0]["verifier_last_hidden_states"].shape[-1]
+    batch = CollateFn(max_len, hidden, preprocess=shift_batch)(items)
+    for key in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask", "document_ids"):
+        out[f"batch.{key}"] = batch[key].contiguous()
+    return out
+
+
+def specforge_step(export: Path, max_len: int, target: str) -> dict[str, torch.Tensor]:
+    """One CPU training step of a 1-layer EAGLE-3 draft through SpecForge's own offline strategy.
+
+    Data as SpecForge's offline path delivers it (reader, feature store, normaliser, collator); the
+    frozen ``TargetHead`` (the target's lm_head, no norm: SpecForge expects post-norm states) turns the
+    stored final state into the teacher; ``Eagle3TrainStrategy.forward_loss`` over
+    ``OnlineEagle3Model`` computes the loss, with a full-vocabulary mapping. The one substitution: the
+    loss kernel (Triton, GPU only) by SpecForge's torch reference of it."""
+    import specforge.algorithms.eagle3.model as eagle3_model
+    from specforge.algorithms.eagle3.data import (
+        build_offline_collator,
+        build_offline_normalizer,
+        build_offline_reader,
+    )
+    from specforge.algorithms.eagle3.model import OnlineEagle3Model
+    from specforge.core.loss import _compute_loss
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    from specforge.modeling.target.target_head import TargetHead
+    from specforge.runtime.contracts import TrainBatch
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+    from specforge.training.strategies.base import Eagle3TrainStrategy
+    from transformers import AutoConfig
+
+    # SpecForge's KL loss is a Triton kernel (GPU only); on CPU use SpecForge's own torch reference of
+    # the same loss (specforge/core/loss.py), uncompiled. Everything else is SpecForge's code as is.
+    reference = getattr(_compute_loss, "_torchdynamo_orig_callable", _compute_loss)
+
+    class ReferenceLoss:
+        apply = staticmethod(reference)
+
+    eagle3_model.LogSoftmaxLoss = ReferenceLoss  # type: ignore[misc,assignment]
+    torch.manual_seed(0)
+    refs = build_offline_reader(str(export), run_id="hsx", ttt_length=2, max_len=max_len).read()
+    store = LocalFeatureStore()
+    normalize = build_offline_normalizer(max_len)
+    items = []
+    for ref in refs[:2]:
+        raw, handle = store.get(ref)
+        items.append(normalize(raw))
+        store.release(handle)
+    batch = build_offline_collator()(items)
+    config = AutoConfig.from_pretrained(target)
+    config.num_hidden_layers = 1
+    config.draft_vocab_size = config.vocab_size
+    draft = LlamaForCausalLMEagle3(config, attention_backend="sdpa").to(torch.bfloat16)  # as SpecForge trains
+    draft.t2d.fill_(True)
+    draft.d2t.zero_()
+    head = TargetHead.from_pretrained(target)
+    strategy = Eagle3TrainStrategy(
+        OnlineEagle3Model(draft, length=2, attention_backend="sdpa"), target_head=head
+    )
+    tensors = {k: batch[k] for k in ("input_ids", "attention_mask", "loss_mask", "hidden_state", "target")}
+    train = TrainBatch(sample_ids=[r.sample_id for r in refs[:2]], strategy="eagle3", tensors=tensors,
+                       metadata={"target_repr": "hidden_state"})  # fmt: skip
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-3)
+    losses = []
+    for _ in range(2):
+        optimizer.zero_grad()
+        loss = strategy.forward_loss(train).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return {"losses": torch.tensor(losses), "head": head.fc.weight.detach().contiguous()}
+
+
+def speculators_step(export: Path, max_len: int, verifier: str) -> dict[str, torch.Tensor]:
+    """One CPU training step of a 1-layer EAGLE-3 draft with speculators' own model, loss and data path.
+
+    The draft is built as speculators' trainer builds it (``Eagle3DraftModel.from_training_args``,
+    verifier weights -- embeddings, lm_head and the final norm it applies to the pre-norm states --
+    loaded from ``verifier``), over a full-vocabulary mapping."""
+    import copy
+
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import ArrowDataset, CollateFn
+    from transformers import AutoConfig
+
+    torch.manual_seed(0)
+    verifier_config = AutoConfig.from_pretrained(verifier)
+    draft_config = copy.deepcopy(verifier_config)
+    draft_config.num_hidden_layers = 1
+    vocab = verifier_config.vocab_size
+    ds = ArrowDataset(max_len=max_len, datapath=str(export), on_missing="raise")
+    hidden = verifier_config.hidden_size
+    batch = CollateFn(max_len, hidden, preprocess=shift_batch)([ds[n] for n in range(len(ds))])
+    record = json.loads((export / "hsx-export.json").read_text())
+    model = Eagle3DraftModel.from_training_args(
+        draft_config,
+        t2d=torch.ones(vocab, dtype=torch.bool),
+        d2t=torch.zeros(vocab, dtype=torch.long),
+        verifier_name_or_path=verifier,
+        draft_vocab_size=vocab,
+        norm_before_residual=True,
+        ttt_steps=2,
+        target_layer_ids=record["layerIds"],  # the layers hsx captured, as its manifest says
+        draft_attn_impl="sdpa",
+    )
+    model.float()
+    train_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(
+        loss_fn="kl_div", loss_implementation="eager", ttt_steps=2, ttt_step_loss_decay=1.0
+    )
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    inputs = {
+        k: batch[k] for k in ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids")
+    }
+    inputs["hidden_states"] = inputs["hidden_states"].float()
+    inputs["verifier_last_hidden_states"] = batch["verifier_last_hidden_states"].float()
+    losses = []
+    for _ in range(2):
+        optimizer.zero_grad()
+        _, loss, _ = model(**inputs, **train_kwargs)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return {
+        "losses": torch.tensor(losses),
+        "verifier_norm": model.verifier_norm.weight.detach().float().contiguous(),
+        "fc_grad": model.fc.weight.grad.detach().abs().sum().reshape(1),
+        "target_layer_ids": torch.tensor(model.target_layer_ids),
+    }
+
+
+def modelopt(export: Path, max_len: int) -> dict[str, torch.Tensor]:
+    from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
+
+    files = sorted(str(p) for p in export.rglob("*.pt"))  # as Model-Optimizer's example lists them
+    ds = OfflineSupervisedDataset(files, answer_only_loss=True)
+    out: dict[str, torch.Tensor] = {}
+    items = []
+    for n in range(len(ds)):
+        item = ds[n]
+        items.append(item)
+        out[f"{n}.index"] = torch.tensor([int(Path(files[n]).stem)])
+        out[f"{n}.prenorm"] = torch.tensor([int(item["base_hidden_prenorm"])])
+        for key in ("input_ids", "loss_mask", "labels", "base_model_hidden_states", "aux_hidden_states"):
+            out[f"{n}.{key}"] = item[key].contiguous()
+    batch = EagleOfflineDataCollator(max_len)(items[:2])
+    out["batch.input_ids"] = batch["input_ids"].contiguous()
+    out["batch.aux_hidden_states"] = batch["base_model_outputs"]["aux_hidden_states"].contiguous()
+    return out
+
+
+def main(argv: list[str]) -> int:
+    mode, export, dest = argv[0], Path(argv[1]), argv[2]
+    max_len = int(argv[3]) if len(argv) > 3 else 2048
+    if mode.endswith("-step"):
+        loaded = {"specforge-step": specforge_step, "speculators-step": speculators_step}[mode](
+            export, max_len, argv[4]
+        )
+    else:
+        loaded = {"specforge": specforge, "speculators": speculators, "modelopt": modelopt}[mode](
+            export, max_len
+        )
+    save_file(loaded, dest)
+    print(f"{mode}: {sorted(loaded)[:6]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
