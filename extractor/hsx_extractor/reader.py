@@ -142,10 +142,6 @@ class OutputReader:
             raise ShardFormatError(f"shard {shard}: header and commit record disagree at sample {index}")
         return self._store().read_sample(self._commits[shard].key, header, entry, verify=verify_checksums)
 
-    def manifest(self) -> dict[str, Any] | None:
-        """The run's manifest.json (None while the run is unfinished), read and parsed as untrusted input."""
-        return self._store().get_json(MANIFEST_NAME)
-
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         for name in ("_store_obj", "_pid", "_lock"):

@@ -6,8 +6,8 @@ Two kinds of output:
 * a pre-norm run written with the storage API from a transformers forward of a tiny model whose
   final-norm weight is not all ones (so applying it, or not, shows in the values).
 
-Until the manifest records the capture convention itself (issue 19 item 1), the fixtures write
-``capture.finalState`` into the manifest of the outputs they make (:func:`record_final_state`).
+Each manifest says how its states were captured (``capture``): the extraction's own, and for the
+pre-norm run what its forward really is.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import pytest
 
 from hsx_extractor.config import ExtractConfig, OutputSpec
 from hsx_extractor.contract import EXIT_OK
-from hsx_extractor.storage.layout import MANIFEST_NAME
+from hsx_extractor.run.plan import planned_shards
 from hsx_extractor.storage.shard_format import SampleRecord
 from hsx_extractor.storage.store import open_store
 from hsx_extractor.tools.tinymodel import build_tiny_model
 from tests.run.helpers import RefServer, base_config, chat_rows, write_jsonl
-from tests.storage.samples import finalize_run, plan_for
+from tests.storage.samples import CAPTURE, plan_for
 from tests.trainers.trainers_venv import is_built, venv_dir, venv_python
 
 HERE = Path(__file__).resolve().parent
@@ -62,22 +62,6 @@ def run_trainer(
     return dict(load_file(str(out)))
 
 
-def record_final_state(manifest_path_or_s3: Any, final_state: str) -> None:
-    """Write ``capture.finalState`` into a manifest that lacks it (a local path, or (client, bucket, key))."""
-    if isinstance(manifest_path_or_s3, Path):
-        body = json.loads(manifest_path_or_s3.read_text())
-    else:
-        client, bucket, key = manifest_path_or_s3
-        body = json.loads(client.get_object(Bucket=bucket, Key=key)["Body"].read())
-    capture = body.setdefault("capture", {})
-    capture.setdefault("finalState", final_state)
-    data = json.dumps(body).encode()
-    if isinstance(manifest_path_or_s3, Path):
-        manifest_path_or_s3.write_bytes(data)
-    else:
-        client.put_object(Bucket=bucket, Key=key, Body=data)
-
-
 @pytest.fixture
 def s3_run(tmp_path: Path, ref_server: RefServer, s3_env: Any, s3_bucket: str) -> tuple[str, OutputSpec]:
     """A real extraction of 7 chat rows (one malformed: quarantined) into S3; post-norm final states."""
@@ -91,7 +75,7 @@ def s3_run(tmp_path: Path, ref_server: RefServer, s3_env: Any, s3_bucket: str) -
     code, result = asyncio.run(extract(cfg))
     assert code == EXIT_OK and result is not None and result.manifest is not None
     assert result.manifest["samples"] == 6 and result.manifest["quarantined"] == 1
-    record_final_state((s3_env.client(), s3_bucket, "runs/run/" + MANIFEST_NAME), "post-norm")
+    assert result.manifest["capture"]["finalState"] == "post-norm"
     return f"s3://{s3_bucket}/runs/run", OutputSpec.model_validate(output)
 
 
@@ -149,6 +133,6 @@ def prenorm_run(norm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> d
             builder.add(SampleRecord(i, f"row-{i}", ids.astype(np.int32), (rng.random(ids.size) < 0.5).astype(np.uint8),
                                      bits(aux), bits(seen[-1][0])))  # fmt: skip
         builder.seal()
-    finalize_run(store, {"model": str(norm_model), "captureLayers": layers})
-    record_final_state(root / "pre" / MANIFEST_NAME, "pre-norm")
+    capture = {**CAPTURE, "engine": "transformers-forward", "layerIds": layers, "finalState": "pre-norm"}
+    store.finalize(planned_shards(plan), {"run": {"model": str(norm_model)}, "capture": capture})
     return {"uri": str(root / "pre"), "post_norm": post_norm, "model": norm_model}

@@ -12,9 +12,11 @@ import torch
 
 from hsx_extractor.reader import OutputReader
 from hsx_extractor.storage.layout import MANIFEST_NAME
+from hsx_extractor.storage.manifest import Capture
 from hsx_extractor.tools.cli import main as hsx
-from hsx_extractor.tools.export import EXPORT_RECORD, ExportError, recorded_final_state
+from hsx_extractor.tools.export import EXPORT_RECORD, ExportError, export
 from hsx_extractor.tools.final_norm import FinalNormError, load_final_norm
+from tests.storage.samples import CAPTURE
 from tests.trainers.conftest import bits
 
 
@@ -67,7 +69,7 @@ def relabelled(run: dict[str, Any], tmp_path: Path, capture: dict[str, Any] | No
 def test_post_norm_to_a_pre_norm_trainer_is_refused(
     prenorm_run: dict[str, Any], tmp_path: Path, capsys: Any
 ) -> None:
-    uri, _ = relabelled(prenorm_run, tmp_path, {"finalState": "post-norm"})
+    uri, _ = relabelled(prenorm_run, tmp_path, {**CAPTURE, "finalState": "post-norm"})
     dest = tmp_path / "sp"
     assert hsx(["export", "--to", "speculators", uri, str(dest), "--model", str(prenorm_run["model"])]) != 0
     assert "would apply the norm twice" in capsys.readouterr().err
@@ -86,23 +88,26 @@ def test_an_unrecorded_convention_is_not_guessed(
     prenorm_run: dict[str, Any], tmp_path: Path, capsys: Any
 ) -> None:
     uri, manifest = relabelled(prenorm_run, tmp_path, None)
-    body = json.loads(manifest.read_text())
     assert hsx(["export", "--to", "speculators", uri, str(tmp_path / "a")]) != 0
     assert "will not guess" in capsys.readouterr().err
-    # the user may say what an old run holds...
-    assert (
-        hsx(["export", "--to", "speculators", uri, str(tmp_path / "b"), "--assume-final-state", "pre-norm"])
-        == 0
-    )
+    # a caller may state what an old run holds...
+    stated = Capture.from_json({**CAPTURE, "layerIds": [2, 4, 5], "finalState": "pre-norm"})
+    export(uri, "speculators", tmp_path / "b", capture=stated)
     assert len(list((tmp_path / "b" / "hidden_states").glob("hs_*.safetensors"))) == 5
-    # ...but never against what the manifest records
-    body["capture"] = {"finalState": "pre-norm"}
+    # ...but never against what a manifest records
+    body = json.loads(manifest.read_text())
+    body["capture"] = {**CAPTURE, "finalState": "post-norm"}
     manifest.write_text(json.dumps(body))
-    assert (
-        hsx(["export", "--to", "speculators", uri, str(tmp_path / "c"), "--assume-final-state", "post-norm"])
-        != 0
-    )
-    assert "contradicts the manifest" in capsys.readouterr().err
+    with pytest.raises(ExportError, match="the caller stated"):
+        export(uri, "speculators", tmp_path / "c", capture=stated)
+
+
+def test_an_unknown_final_state_in_the_manifest_is_refused(
+    prenorm_run: dict[str, Any], tmp_path: Path, capsys: Any
+) -> None:
+    uri, _ = relabelled(prenorm_run, tmp_path, {**CAPTURE, "finalState": "normed"})
+    assert hsx(["export", "--to", "modelopt", uri, str(tmp_path / "a")]) != 0
+    assert "capture.finalState 'normed' is not one of" in capsys.readouterr().err
 
 
 def test_destination_must_be_new_or_empty(prenorm_run: dict[str, Any], tmp_path: Path, capsys: Any) -> None:
@@ -112,13 +117,6 @@ def test_destination_must_be_new_or_empty(prenorm_run: dict[str, Any], tmp_path:
     assert hsx(["export", "--to", "speculators", prenorm_run["uri"], str(dest)]) != 0
     assert "not an empty directory" in capsys.readouterr().err
     assert sorted(p.name for p in dest.iterdir()) == ["old.pt"]
-
-
-def test_recorded_final_state_reads_only_known_values() -> None:
-    assert recorded_final_state(None) is None
-    assert recorded_final_state({"capture": {"finalState": "pre-norm"}}) == "pre-norm"
-    with pytest.raises(ExportError):
-        recorded_final_state({"capture": {"finalState": "normed"}})
 
 
 def test_final_norm_refuses_what_it_cannot_apply_exactly(norm_model: Path, tmp_path: Path) -> None:

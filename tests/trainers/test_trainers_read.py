@@ -118,10 +118,7 @@ def test_speculators_trains_a_draft_one_step_on_cpu(
     # the norm speculators applies to the pre-norm states is the target model's own final norm
     model_norm = load_file(str(prenorm_run["model"] / "model.safetensors"))["model.norm.weight"].float()
     assert torch.equal(out["verifier_norm"], model_norm)
-    assert (
-        out["target_layer_ids"].tolist()
-        == OutputReader(prenorm_run["uri"]).manifest()["run"]["captureLayers"]
-    )
+    assert out["target_layer_ids"].tolist() == list(OutputReader(prenorm_run["uri"]).capture.layer_ids)
 
 
 def test_modelopt_reads_an_export_with_the_norm_applied(

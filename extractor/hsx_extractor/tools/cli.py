@@ -172,7 +172,6 @@ def cmd_export(args: argparse.Namespace) -> int:
             args.to,
             args.dest,
             model_dir=args.model,
-            assume_final_state=args.assume_final_state,
             log=log,
         )
     except (ExportError, StoreError, ValueError) as exc:
@@ -277,7 +276,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-test-hooks", action="store_true", help="TEST HOOK: allow POST /hsx_test/fault")
     p.set_defaults(func=cmd_serve_reference)
 
-    from hsx_extractor.tools.export import FINAL_STATES, TRAINERS
+    from hsx_extractor.tools.export import TRAINERS
 
     p = sub.add_parser(
         "export",
@@ -290,12 +289,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, choices=TRAINERS, help="the trainer whose layout to write")
     p.add_argument(
         "--model", default=None, help="target model directory: its final RMSNorm turns pre-norm states post-norm"
-    )
-    p.add_argument(
-        "--assume-final-state",
-        choices=FINAL_STATES,
-        default=None,
-        help="for runs whose manifest does not record it (refused if the manifest says otherwise)",
     )
     p.set_defaults(func=cmd_export)
 

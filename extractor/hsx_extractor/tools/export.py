@@ -14,8 +14,9 @@ file per sample in the layout each trainer's offline loader reads (docs/training
   ``aux_hidden_states`` [L, K*H], ``loss_mask``, ``conversation_id`` (Model-Optimizer's
   ``OfflineSupervisedDataset``).
 
-The final-norm convention is never guessed: the run's manifest says which state it holds, or the
-user says so with ``assume_final_state`` (refused if it contradicts the manifest). Pre-norm data for
+The final-norm convention is never guessed: the run's manifest says which state it holds
+(``capture.finalState``, read through :attr:`OutputReader.capture`), or a caller states the whole capture
+(``capture=Capture(...)``, refused if it contradicts the manifest). Pre-norm data for
 a post-norm trainer goes through the model's own final RMSNorm when ``model_dir`` is given
 (:mod:`hsx_extractor.tools.final_norm`); post-norm data for a pre-norm trainer is refused (the norm
 cannot be undone). ``DEST`` must be new or empty; ``hsx-export.json`` is written last, so a
@@ -32,42 +33,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hsx_extractor.config import OutputSpec
+from hsx_extractor.storage.manifest import FINAL_STATES, Capture, ManifestError
 
 if TYPE_CHECKING:
     import torch
 
     from hsx_extractor.tools.final_norm import FinalNorm
 
-POST_NORM, PRE_NORM = "post-norm", "pre-norm"
-FINAL_STATES = (POST_NORM, PRE_NORM)
+POST_NORM, PRE_NORM = FINAL_STATES
 EXPORT_RECORD = "hsx-export.json"
 SPECFORGE_GROUP = 2000  # samples per rows_* folder, as SpecForge's prepare_hidden_states writes them
 
 
 class ExportError(Exception):
     """The export is refused (convention, destination) or its input is unusable."""
-
-
-def recorded_final_state(manifest: dict[str, Any] | None) -> str | None:
-    """The one reading of an output's final-state convention: ``manifest["capture"]["finalState"]``."""
-    capture = (manifest or {}).get("capture")
-    value = capture.get("finalState") if isinstance(capture, dict) else None
-    if value is not None and value not in FINAL_STATES:
-        raise ExportError(f"the manifest's capture.finalState is {value!r}, not one of {FINAL_STATES}")
-    return value
-
-
-def source_final_state(manifest: dict[str, Any] | None, assume: str | None) -> str:
-    recorded = recorded_final_state(manifest)
-    if recorded is None and assume is None:
-        raise ExportError(
-            "the run's manifest does not record whether its final state is before or after the final norm "
-            "(capture.finalState); hsx will not guess: pass --assume-final-state post-norm|pre-norm "
-            "(hsx's SGLang and reference-server captures are post-norm)"
-        )
-    if recorded is not None and assume is not None and recorded != assume:
-        raise ExportError(f"--assume-final-state {assume} contradicts the manifest, which records {recorded}")
-    return recorded or str(assume)
 
 
 @dataclass(frozen=True)
@@ -221,16 +200,6 @@ WRITERS: dict[str, Callable[[Path, int, int], Any]] = {
 TRAINERS = tuple(WRITERS)
 
 
-def _layer_ids(manifest: dict[str, Any] | None) -> list[int] | None:
-    """The aux layers' ids, for the trainer's ``target_layer_ids`` (SGLang's numbering: inputs of those layers)."""
-    m = manifest or {}
-    capture, run = m.get("capture"), m.get("run")
-    ids = capture.get("layerIds") if isinstance(capture, dict) else None
-    if ids is None and isinstance(run, dict):
-        ids = run.get("captureLayers")
-    return [int(i) for i in ids] if isinstance(ids, list) else None
-
-
 def _check_dest(dest: Path) -> None:
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ExportError(
@@ -268,7 +237,7 @@ def export(
     dest: str | Path,
     *,
     model_dir: str | None = None,
-    assume_final_state: str | None = None,
+    capture: Capture | None = None,
     output: OutputSpec | None = None,
     verify_checksums: bool = True,
     log: Callable[[str], None] = lambda _: None,
@@ -278,11 +247,11 @@ def export(
 
     if trainer not in WRITERS:
         raise ExportError(f"unknown trainer {trainer!r}: one of {TRAINERS}")
-    if assume_final_state is not None and assume_final_state not in FINAL_STATES:
-        raise ExportError(f"--assume-final-state must be one of {FINAL_STATES}")
-    reader = OutputReader(uri, output)
-    manifest = reader.manifest()
-    have = source_final_state(manifest, assume_final_state)
+    try:
+        reader = OutputReader(uri, output, capture=capture)
+        have = reader.capture.final_state
+    except ManifestError as exc:
+        raise ExportError(str(exc)) from None
     if len(reader) == 0:
         raise ExportError(f"{uri} holds no samples")
     first = reader.read(0, verify_checksums)
@@ -319,9 +288,9 @@ def export(
         "samples": len(reader),
         "hiddenSize": hidden,
         "auxLayers": aux_width // hidden,
-        "layerIds": _layer_ids(manifest),
+        "layerIds": list(reader.capture.layer_ids),
+        "layerConvention": reader.capture.layer_convention,
         "sourceFinalState": have,
-        "finalStateRecorded": recorded_final_state(manifest) is not None,
         "finalState": WRITERS[trainer].wants,  # type: ignore[attr-defined]
         "finalNormApplied": norm.source if norm is not None else None,
         **extra,
