@@ -1,4 +1,5 @@
-"""Compression of activation-like bf16 data: hsx byte-plane split vs plain zstd, per core.
+"""Compression of activation-like bf16 data: hsx byte-plane split vs plain zstd, and the lossy
+fp8-e4m3 codec (its error beside its ratio), per core.
 
     .venv/bin/python bench/bench_compression.py [--mib 32] [--repeats 3]
 
@@ -22,8 +23,11 @@ import numpy as np
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "extractor"))
+from hsx_extractor.protocol import bf16_bits_to_f32
 from hsx_extractor.storage.compress import (
     CODEC_BF16_SPLIT_ZSTD,
+    CODEC_FP8,
+    decode_bf16_array,
     ZSTD_PARAMS,
     decode_bf16,
     encode_bf16,
@@ -71,6 +75,23 @@ def measure(values: np.ndarray, repeats: int) -> dict[str, dict[str, float]]:
         "ratio": len(raw) / len(stored),
         "compress_MBps": mb / best_seconds(lambda: encode_bf16(values, CODEC_BF16_SPLIT_ZSTD), repeats),
         "decompress_MBps": mb / best_seconds(lambda: decode_bf16(codec, stored, values.size), repeats),
+    }
+    rows = values.shape[0]
+    codec8, stored8 = encode_bf16(values, CODEC_FP8)
+    assert codec8 == CODEC_FP8
+    orig = bf16_bits_to_f32(values).reshape(rows, -1).astype(np.float64)
+    back = bf16_bits_to_f32(decode_bf16_array(codec8, stored8, values.size, rows)).reshape(rows, -1)
+    err = np.abs(back - orig)
+    # Relative error over values above 1% of their token's max (the tiny ones round to e4m3 subnormals).
+    big = np.abs(orig) >= 0.01 * np.abs(orig).max(axis=1, keepdims=True)
+    cosine = (back * orig).sum(axis=1) / (np.linalg.norm(back, axis=1) * np.linalg.norm(orig, axis=1))
+    out["fp8-e4m3 per-token scale (lossy)"] = {
+        "ratio": len(raw) / len(stored8),
+        "compress_MBps": mb / best_seconds(lambda: encode_bf16(values, CODEC_FP8), repeats),
+        "decompress_MBps": mb / best_seconds(lambda: decode_bf16_array(codec8, stored8, values.size, rows), repeats),
+        "max_rel_error": float((err[big] / np.abs(orig[big])).max()),
+        "rms_rel_error": float(np.sqrt(((back - orig) ** 2).sum() / (orig**2).sum())),
+        "min_token_cosine": float(cosine.min()),
     }
     # The same split with stock zstd level 1 on the high plane, for comparison.
     stock, dstock = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
@@ -134,11 +155,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         values = activation_like(rng, rows, cols, sigma, outliers)
         results["profiles"][name] = measure(values, args.repeats)
     print(f"{rows * cols * 2 / 2**20:.0f} MiB per profile, one thread, best of {args.repeats}, seed {SEED}")
-    print(f"{'profile':36} {'method':26} {'ratio':>7} {'comp MB/s':>10} {'decomp MB/s':>12}")
+    print(f"{'profile':36} {'method':34} {'ratio':>7} {'comp MB/s':>10} {'decomp MB/s':>12}")
     for name, methods in results["profiles"].items():
         for method, m in methods.items():
+            error = (
+                f"  max rel err {m['max_rel_error']:.4f}, rms {m['rms_rel_error']:.4f}, min cos {m['min_token_cosine']:.5f}"
+                if "max_rel_error" in m
+                else ""
+            )
             print(
-                f"{name:36} {method:26} {m['ratio']:7.3f} {m['compress_MBps']:10.0f} {m['decompress_MBps']:12.0f}"
+                f"{name:36} {method:34} {m['ratio']:7.3f} {m['compress_MBps']:10.0f} {m['decompress_MBps']:12.0f}"
+                + error
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")

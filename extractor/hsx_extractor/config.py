@@ -140,10 +140,11 @@ class OutputSpec(_Spec):
         description="Target size of one shard in bytes (before compression). Samples are assigned to "
         "shards by dataset position, so the same dataset always yields the same shards.",
     )
-    compression: Literal["none", "bf16-zstd"] = Field(
+    compression: Literal["none", "bf16-zstd", "fp8-e4m3"] = Field(
         "bf16-zstd",
-        description="Lossless compression of hidden states: bf16-zstd compresses each value's high byte "
-        "(sign and exponent) with zstd and stores the low byte raw; none stores raw bf16.",
+        description="Compression of hidden states: bf16-zstd (lossless) compresses each value's high byte "
+        "(sign and exponent) with zstd and stores the low byte raw; none stores raw bf16; fp8-e4m3 (lossy, "
+        "about half the size) stores each token's values as FP8 E4M3 with one float32 scale per token.",
     )
     partSizeBytes: int = Field(
         64 << 20,

@@ -379,3 +379,20 @@ def read_dump(path: str | os.PathLike[str]) -> Dump:
             raise ProtocolError(f"{path}: tensor {name!r} is truncated")
         arrays[name] = np.frombuffer(body[start:end], dtype=dtype).reshape(shape)
     return Dump(meta, arrays[TENSOR_INPUT_IDS], arrays[TENSOR_AUX], arrays[TENSOR_FINAL])
+
+
+def f32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
+    """bf16 bits of float32 ``values`` rounded to nearest even, NaN kept NaN (as torch converts)."""
+    import numpy as np
+
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    rounded[np.isnan(values)] = 0x7FC0
+    return rounded
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    """The float32 values of bf16 ``bits`` (exact)."""
+    import numpy as np
+
+    return (np.ascontiguousarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)

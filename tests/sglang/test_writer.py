@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from hsx_extractor import protocol
+from hsx_extractor.protocol import f32_to_bf16_bits
 from hsx_extractor.sglang_hook.writer import (
     DumpJob,
     DumpWriter,
     ErrorJob,
     Staged,
     bf16_bits,
-    f32_to_bf16_bits,
     run_job,
     stage,
 )

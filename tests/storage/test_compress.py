@@ -73,3 +73,73 @@ def test_damaged_frame_is_a_codec_error() -> None:
 def test_non_bf16_input_is_refused() -> None:
     with pytest.raises(TypeError, match="uint16"):
         encode_bf16(np.zeros(4, dtype=np.float32), CODEC_RAW)
+
+
+# ------------------------------------------------------------------ fp8-e4m3-rowscale (lossy)
+
+
+def test_the_e4m3_table_is_torchs_float8_e4m3fn() -> None:
+    torch = pytest.importorskip("torch")
+    from hsx_extractor.storage import fp8
+
+    theirs = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    assert np.array_equal(np.isnan(fp8.VALUES), np.isnan(theirs))
+    finite = ~np.isnan(theirs)
+    assert np.array_equal(fp8.VALUES[finite], theirs[finite]) and fp8.VALUES[0x7E] == fp8.E4M3_MAX
+
+
+def test_quantize_rounds_as_torch_does() -> None:
+    """Every value torch converts to e4m3fn (round to nearest even) gets the same code here."""
+    torch = pytest.importorskip("torch")
+    from hsx_extractor.storage import fp8
+
+    rng = np.random.default_rng(5)
+    values = (rng.standard_normal((64, 512)) * rng.lognormal(0, 2, (64, 1))).astype(np.float32)
+    values[0, :4] = [0.0, -0.0, 1e-30, -1e-30]  # zeros and values below the smallest subnormal
+    codes, scales = fp8.quantize(values)
+    scaled = torch.from_numpy(values) / torch.from_numpy(scales)[:, None]
+    theirs = scaled.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    assert np.array_equal(codes, theirs)
+    # Ties (exact midpoints between codes) go to the even code, as torch's conversion does.
+    mids = torch.from_numpy(((fp8.VALUES[1:0x7E] + fp8.VALUES[2:0x7F]) / 2).astype(np.float32))
+    tie_codes, _ = fp8.quantize(np.concatenate([[fp8.E4M3_MAX], mids.numpy()])[None].astype(np.float32))
+    assert np.array_equal(tie_codes[0, 1:], mids.to(torch.float8_e4m3fn).view(torch.uint8).numpy())
+
+
+def test_fp8_round_trip_error_is_bounded_per_token() -> None:
+    from hsx_extractor.protocol import bf16_bits_to_f32, f32_to_bf16_bits
+    from hsx_extractor.storage.compress import CODEC_FP8, decode_bf16_array, encode_bf16
+
+    values = activations(np.random.default_rng(3), 300, 1024)  # bf16 bits shaped like hidden states
+    used, stored = encode_bf16(values, CODEC_FP8)
+    assert used == CODEC_FP8 and len(stored) == values.size + 4 * 300  # half of bf16, plus the scales
+    back = bf16_bits_to_f32(decode_bf16_array(used, stored, values.size, rows=300)).reshape(300, 1024)
+    orig = bf16_bits_to_f32(values).reshape(300, 1024)
+    amax = np.abs(orig).max(axis=1, keepdims=True)
+    # 3 mantissa bits: within 1/16 relative for values in e4m3's normal range, plus one bf16 rounding
+    normal = np.abs(orig) >= amax * 2.0**-6 / 448 * 256
+    rel = np.abs(back - orig)[normal] / np.abs(orig)[normal]
+    assert rel.max() <= 1 / 16 + 2**-8
+    cosine = (back * orig).sum(axis=1) / np.linalg.norm(back, axis=1) / np.linalg.norm(orig, axis=1)
+    assert cosine.min() > 0.998
+    assert np.array_equal(f32_to_bf16_bits(back).reshape(-1), decode_bf16_array(used, stored, values.size, 300))
+
+
+def test_fp8_damage_and_hostile_scales_are_refused() -> None:
+    from hsx_extractor.storage.compress import CODEC_FP8, decode_bf16_array, encode_bf16
+
+    values = activations(np.random.default_rng(4), 8, 64)
+    used, stored = encode_bf16(values, CODEC_FP8)
+    with pytest.raises(CodecError, match="not 512 codes \\+ 8 scales"):
+        decode_bf16_array(used, stored[:-1], values.size, rows=8)
+    bad = bytearray(stored)
+    bad[-4:] = np.array([np.inf], dtype="<f4").tobytes()
+    with pytest.raises(CodecError, match="scale"):
+        decode_bf16_array(used, bytes(bad), values.size, rows=8)
+
+
+def test_fp8_falls_back_to_raw_when_rows_are_too_narrow_to_pay_for_their_scales() -> None:
+    from hsx_extractor.storage.compress import CODEC_FP8, encode_bf16
+
+    values = activations(np.random.default_rng(5), 100, 4)
+    assert encode_bf16(values, CODEC_FP8)[0] == CODEC_RAW

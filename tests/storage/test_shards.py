@@ -145,3 +145,24 @@ def test_any_shard_round_trips_through_its_header(recs: list[SampleRecord], code
     for entry in header.samples:
         start = header.data_start + entry.offset
         assert_same(decode_sample(blob[start : start + entry.length], entry), by_index[entry.index])
+
+
+def test_an_fp8_shard_round_trips_within_fp8_precision_and_is_checksummed() -> None:
+    from hsx_extractor.protocol import bf16_bits_to_f32
+
+    records = [record(i, 5 + 7 * i, hidden=64) for i in range(4)]
+    blob, placed = _shard_bytes(records, "fp8-e4m3-rowscale")
+    header = parse_header(blob)
+    for rec, entry in zip(records, header.samples, strict=True):
+        assert {t.codec for t in entry.tensors if t.dtype == "BF16"} == {"fp8-e4m3-rowscale"}
+        stored = blob[header.data_start + entry.offset : header.data_start + entry.offset + entry.length]
+        back = decode_sample(stored, entry)
+        assert np.array_equal(back.input_ids, rec.input_ids) and np.array_equal(back.loss_mask, rec.loss_mask)
+        for name in ("aux_hidden_states", "hidden_states"):
+            ours, theirs = bf16_bits_to_f32(getattr(back, name)), bf16_bits_to_f32(getattr(rec, name))
+            cosine = (ours * theirs).sum(axis=1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)
+            assert cosine.min() > 0.998 and not np.array_equal(ours, theirs)  # lossy, and close
+        damaged = bytearray(stored)
+        damaged[0] ^= 1
+        with pytest.raises(ShardFormatError, match="checksum mismatch"):
+            decode_sample(bytes(damaged), entry)

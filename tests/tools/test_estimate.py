@@ -97,6 +97,15 @@ def test_compressed_estimate_matches_a_real_shard_given_the_measured_ratio() -> 
     assert abs(est.stored_bytes - actual) <= 0.01 * actual, (est.stored_bytes, actual)
 
 
+def test_fp8_estimate_is_exact_without_a_ratio() -> None:
+    records = random_records(40, seed=2)
+    actual, hidden_stored = shard_bytes(records, "fp8-e4m3")
+    # one byte per value and a float32 scale per token, for each of the two hidden-state tensors
+    assert hidden_stored == sum(r.aux_hidden_states.size + r.hidden_states.size + 8 * r.seq_len for r in records)
+    est = estimate_storage(rows_of(records), H, K, "fp8-e4m3", 1 << 30)
+    assert 0 <= est.stored_bytes - actual <= 0.005 * actual, (est.stored_bytes, actual)
+
+
 def test_a_trial_ratio_from_the_manifest_is_applied_to_the_bytes_it_was_measured_on() -> None:
     """A trial's manifest reports bytesRaw (every tensor, raw) / bytesStored (the shard objects, headers
     and padding included). Applied to the same bytes of the estimate, it gives the shard back."""

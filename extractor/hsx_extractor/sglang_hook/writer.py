@@ -77,15 +77,7 @@ def bf16_bits(chunks: Sequence[Staged]) -> list[np.ndarray]:
 def _bits(rows: torch.Tensor) -> np.ndarray:
     if rows.dtype == torch.bfloat16:
         return np.ascontiguousarray(rows.view(torch.int16).numpy().view(np.uint16))
-    return f32_to_bf16_bits(rows.numpy().astype(np.float32, copy=False))
-
-
-def f32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
-    """bf16 bits of float32 ``values`` rounded to nearest even, NaN kept NaN (as torch converts)."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
-    rounded[np.isnan(values)] = 0x7FC0
-    return rounded
+    return protocol.f32_to_bf16_bits(rows.numpy().astype(np.float32, copy=False))
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Lossless compression of bf16 tensors: byte-plane split, zstd on the high plane.
+"""Compression of bf16 tensors: lossless byte-plane split with zstd, and lossy FP8 (storage/fp8.py).
 
 A bf16 value's high byte is its sign and 7 exponent bits: activations use few exponents, so
 that plane compresses well. The low byte (exponent LSB + mantissa) is close to random and
@@ -7,6 +7,9 @@ is stored raw. Pure functions over bytes; no I/O.
 Stored layout of a ``bf16-split-zstd`` tensor of ``n`` values: one zstd frame of the ``n``
 high bytes, followed by the ``n`` low bytes raw. The frame's length is therefore
 ``stored_len - n``; nothing else is needed to decode.
+
+A ``fp8-e4m3-rowscale`` tensor of ``rows`` rows is its ``n`` e4m3 codes followed by ``rows``
+float32 scales (storage/fp8.py); it decodes to the bf16 nearest to each dequantized value.
 """
 
 from __future__ import annotations
@@ -17,9 +20,13 @@ from typing import Final
 import numpy as np
 import zstandard
 
+from hsx_extractor import protocol
+from hsx_extractor.storage import fp8
+
 CODEC_RAW: Final = "raw"
 CODEC_BF16_SPLIT_ZSTD: Final = "bf16-split-zstd"
-CODECS: Final = (CODEC_RAW, CODEC_BF16_SPLIT_ZSTD)
+CODEC_FP8: Final = "fp8-e4m3-rowscale"  # lossy
+CODECS: Final = (CODEC_RAW, CODEC_BF16_SPLIT_ZSTD, CODEC_FP8)
 ZSTD_LEVEL: Final = 1
 # Level 1 with long minimum matches and a tiny hash table: the high plane has few useful
 # matches and is won by entropy coding, so this is ~3x faster than stock level 1 and slightly
@@ -79,6 +86,12 @@ def encode_bf16_parts(values: np.ndarray, codec: str) -> tuple[str, list[bytes |
     bits = _as_bf16_bits(values)
     if codec == CODEC_RAW or bits.size == 0:
         return CODEC_RAW, [bits.data.cast("B")]
+    if codec == CODEC_FP8:
+        rows = values.shape[0] if values.ndim == 2 else 1
+        if fp8.encoded_length(bits.size, rows) >= 2 * bits.size:  # narrow rows: scales cost more
+            return CODEC_RAW, [bits.data.cast("B")]
+        codes, scales = fp8.quantize(protocol.bf16_bits_to_f32(bits).reshape(rows, -1))
+        return CODEC_FP8, [codes.reshape(-1).data, scales.astype("<f4").data.cast("B")]
     if codec != CODEC_BF16_SPLIT_ZSTD:
         raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
     high, low = split_planes(bits)
@@ -97,8 +110,18 @@ def encode_bf16(values: np.ndarray, codec: str) -> tuple[str, bytes]:
     return used, b"".join(parts)
 
 
-def decode_bf16_array(codec: str, stored: bytes | memoryview, num_values: int) -> np.ndarray:
-    """The original bf16 bits of a tensor of ``num_values`` values, as a flat uint16 array."""
+def decode_bf16_array(codec: str, stored: bytes | memoryview, num_values: int, rows: int = 1) -> np.ndarray:
+    """The bf16 bits of a tensor of ``num_values`` values in ``rows`` rows, as a flat uint16 array
+    (the original bits, except for the lossy ``fp8-e4m3-rowscale``)."""
+    if codec == CODEC_FP8:
+        if rows < 1 or num_values % rows or len(stored) != fp8.encoded_length(num_values, rows):
+            raise CodecError(f"fp8 tensor holds {len(stored)} bytes, not {num_values} codes + {rows} scales")
+        view = memoryview(stored)
+        codes = np.frombuffer(view[:num_values], dtype=np.uint8).reshape(rows, -1)
+        scales = np.frombuffer(view[num_values:], dtype="<f4").astype(np.float32)
+        if not np.isfinite(scales).all() or (scales <= 0).any():
+            raise CodecError("fp8 tensor has a scale that is not finite and positive")
+        return protocol.f32_to_bf16_bits(fp8.dequantize(codes, scales)).reshape(-1)
     if codec == CODEC_RAW:
         if len(stored) != 2 * num_values:
             raise CodecError(f"raw tensor holds {len(stored)} bytes, expected {2 * num_values}")
@@ -118,6 +141,6 @@ def decode_bf16_array(codec: str, stored: bytes | memoryview, num_values: int) -
     return join_planes(high, view[frame_len:])
 
 
-def decode_bf16(codec: str, stored: bytes | memoryview, num_values: int) -> bytes:
-    """The original little-endian bf16 bytes of a tensor of ``num_values`` values."""
-    return decode_bf16_array(codec, stored, num_values).astype("<u2", copy=False).tobytes()
+def decode_bf16(codec: str, stored: bytes | memoryview, num_values: int, rows: int = 1) -> bytes:
+    """The little-endian bf16 bytes of a tensor of ``num_values`` values (see decode_bf16_array)."""
+    return decode_bf16_array(codec, stored, num_values, rows).astype("<u2", copy=False).tobytes()

@@ -20,7 +20,15 @@ from typing import Any, Final
 import numpy as np
 import xxhash
 
-from hsx_extractor.storage.compress import CODEC_RAW, CODECS, CodecError, decode_bf16_array, encode_bf16_parts
+from hsx_extractor.storage import fp8
+from hsx_extractor.storage.compress import (
+    CODEC_FP8,
+    CODEC_RAW,
+    CODECS,
+    CodecError,
+    decode_bf16_array,
+    encode_bf16_parts,
+)
 from hsx_extractor.storage.layout import MAX_SHARDS
 from hsx_extractor.storage.stored_json import (
     MAX_INDEX,
@@ -38,7 +46,7 @@ FORMAT_VERSION: Final = "hsx-shard/1"
 # Every hidden state is stored as bf16, whatever the model computes in (the manifest's capture.dtype).
 STATES_DTYPE: Final = "bfloat16"
 # Output compression setting (OutputSpec.compression) -> codec for the hidden-state tensors.
-COMPRESSION_CODECS: Final = {"none": "raw", "bf16-zstd": "bf16-split-zstd"}
+COMPRESSION_CODECS: Final = {"none": "raw", "bf16-zstd": "bf16-split-zstd", "fp8-e4m3": "fp8-e4m3-rowscale"}
 
 INPUT_IDS: Final = "input_ids"
 LOSS_MASK: Final = "loss_mask"
@@ -252,7 +260,7 @@ def decode_sample(stored: bytes | memoryview, entry: SampleEntry, verify: bool =
         chunk = view[t.offset : t.offset + t.length]
         try:
             if t.dtype == "BF16":
-                flat = decode_bf16_array(t.codec, chunk, t.num_values)
+                flat = decode_bf16_array(t.codec, chunk, t.num_values, t.shape[0] if len(t.shape) == 2 else 1)
             elif t.codec == CODEC_RAW and len(chunk) == t.raw_length:
                 flat = np.frombuffer(chunk, dtype=_DTYPES[t.dtype]).copy()
             else:
@@ -406,6 +414,8 @@ def _check_tiling(samples: Sequence[SampleEntry]) -> None:
                     f"sample {s.index}: tensor {t.name} of shape {list(t.shape)} cannot be "
                     f"{t.codec} in {t.length} bytes"
                 )
+            if t.codec == CODEC_FP8 and t.length != fp8.encoded_length(t.num_values, t.shape[0]):
+                raise ShardFormatError(f"sample {s.index}: fp8 tensor {t.name} length does not match its shape")
             inner += t.length
         _check_shapes(s)
         if not 0 <= s.length - inner < ALIGN or {t.name for t in s.tensors} != set(TENSOR_ORDER):

@@ -29,8 +29,9 @@ from typing import Any, Literal
 
 from hsx_extractor.model import ModelConfigError, ModelDims, capture_layers, model_dims, read_model_config
 from hsx_extractor.run.plan import build_plan
+from hsx_extractor.storage import fp8
 from hsx_extractor.storage.commit_record import QuarantineEntry, ShardCommit
-from hsx_extractor.storage.compress import CODEC_RAW
+from hsx_extractor.storage.compress import CODEC_FP8, CODEC_RAW
 from hsx_extractor.storage.shard_format import (
     ALIGN,
     AUX,
@@ -49,7 +50,8 @@ LOSS_MASK_BYTES = 1
 # Measured ratio of bf16-zstd (high-byte plane through zstd-1, low byte raw) on activation-like
 # bf16 data with per-channel scales and outlier channels: 1.43-1.47x (shared/research.md).
 # The low byte is stored raw, so no data beats 2x.
-DEFAULT_RATIOS: dict[str, float] = {"none": 1.0, "bf16-zstd": 1.45}
+# fp8-e4m3's size is exact (one byte per value, four per token): its entry is only nominal.
+DEFAULT_RATIOS: dict[str, float] = {"none": 1.0, "bf16-zstd": 1.45, "fp8-e4m3": 2.0}
 # What the run writes besides shards and commit records (plan.json's settings, manifest.json's
 # totals): a few hundred bytes, plus per-shard lines in the manifest.
 PER_RUN_BYTES = 2048
@@ -141,6 +143,8 @@ def _sample_entry(
 ) -> SampleEntry:
     # The index row the shard writer makes for this sample; compressed lengths are guessed from the ratio.
     def stored(values: int) -> int:
+        if codec == CODEC_FP8:
+            return fp8.encoded_length(values, length)
         return 2 * values if codec == CODEC_RAW else math.ceil(2 * values / ratio)
 
     names = [
@@ -204,6 +208,9 @@ def estimate_storage(
     written_set = set(written)
     tokens = sum(rows.lengths[i] or 0 for i in written)
     hidden = tokens * (num_aux_layers + 1) * hidden_size * BF16_BYTES
+    if codec == CODEC_FP8 and ratio is None and tokens:
+        # Exact: a byte per value and a float32 scale per token in each of the two hidden-state tensors.
+        assumed = hidden / (hidden // BF16_BYTES + 2 * fp8.SCALE_BYTES * tokens)
     # Lay shards out one by one; past _SIMULATE_SAMPLES samples the rest is scaled (it is < 0.1% of the data).
     headers = records = padding = simulated = 0
     for k, (start, end) in enumerate(plan.shards):
