@@ -27,9 +27,9 @@ from hsx_extractor.protocol import bf16_bits_to_f32
 from hsx_extractor.storage.compress import (
     CODEC_BF16_SPLIT_ZSTD,
     CODEC_FP8,
-    decode_bf16_array,
     ZSTD_PARAMS,
     decode_bf16,
+    decode_bf16_array,
     encode_bf16,
     join_planes,
     split_planes,

@@ -151,7 +151,7 @@ def test_an_fp8_shard_round_trips_within_fp8_precision_and_is_checksummed() -> N
     from hsx_extractor.protocol import bf16_bits_to_f32
 
     records = [record(i, 5 + 7 * i, hidden=64) for i in range(4)]
-    blob, placed = _shard_bytes(records, "fp8-e4m3-rowscale")
+    blob, _ = _shard_bytes(records, "fp8-e4m3-rowscale")
     header = parse_header(blob)
     for rec, entry in zip(records, header.samples, strict=True):
         assert {t.codec for t in entry.tensors if t.dtype == "BF16"} == {"fp8-e4m3-rowscale"}
