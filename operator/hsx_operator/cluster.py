@@ -19,7 +19,7 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 
 from hsx_operator import metrics
-from hsx_operator.desired import EXTRACTOR_CONTAINER, LABEL_XJ, Owner
+from hsx_operator.desired import EXTRACTOR_CONTAINER, LABEL_XJ, Owner, label_value
 from hsx_operator.observe import Refusal
 from hsx_operator.pods import KueueView
 from hsx_operator.status import Reason
@@ -57,7 +57,7 @@ class Cluster:
     def jobs_of(self, owner: Owner) -> list[dict[str, Any]]:
         got = _json(
             self.batch.list_namespaced_job(
-                owner.namespace, label_selector=f"{LABEL_XJ}={owner.name}", _preload_content=False
+                owner.namespace, label_selector=f"{LABEL_XJ}={label_value(owner.name)}", _preload_content=False
             )
         )
         return [

@@ -162,6 +162,13 @@ def extractionjob_crd() -> dict[str, Any]:
         "description": "ExtractionJob captures a model's hidden states over a chat dataset into verifiable "
         "shards, for training EAGLE-3 drafters. The operator runs it as a batch/v1 Job.",
         "required": ["spec"],
+        "x-kubernetes-validations": [
+            {
+                # Indexed Job pods get the hostname "<job name>-<index>": a DNS label, so no dots.
+                "rule": "!self.metadata.name.contains('.')",
+                "message": "metadata.name may not contain dots: the run's pods take their hostnames from it",
+            }
+        ],
         "properties": {
             "apiVersion": {"type": "string", "description": "APIVersion of this object (hsx.dev/v1alpha1)."},
             "kind": {"type": "string", "description": "Kind of this object (ExtractionJob)."},

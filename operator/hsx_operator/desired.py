@@ -35,7 +35,9 @@ SCRATCH_DIR = "/scratch"
 GPU_RESOURCE = "nvidia.com/gpu"
 # The extractor image's user; the server image (CUDA, SGLang) decides its own.
 EXTRACTOR_UID = 65532
-MAX_NAME = 63  # Job names become pod label values
+MAX_LABEL_VALUE = 63
+# Job names become pod label values and, with "-<index>" (parallelism <= 64), pod hostnames.
+MAX_NAME = MAX_LABEL_VALUE - 3
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -65,13 +67,22 @@ class Owner:
         }
 
 
+def _shortened(text: str, limit: int) -> str:
+    """``text``, or when longer than ``limit`` its head and a hash of all of it (still unique)."""
+    if len(text) <= limit:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:8]
+    return f"{text[: limit - 9].rstrip('-_.')}-{digest}"
+
+
 def job_name(xj_name: str, run_id: str) -> str:
-    """``{name}-{runId}``, shortened with a hash when longer than a label value allows."""
-    full = f"{xj_name}-{run_id}"
-    if len(full) <= MAX_NAME:
-        return full
-    digest = hashlib.sha256(full.encode()).hexdigest()[:8]
-    return f"{full[: MAX_NAME - 9].rstrip('-')}-{digest}"
+    """``{name}-{runId}``, shortened with a hash when its pods' hostnames would not fit a DNS label."""
+    return _shortened(f"{xj_name}-{run_id}", MAX_NAME)
+
+
+def label_value(name: str) -> str:
+    """An object name as a label value (names may be 253 characters, label values 63)."""
+    return _shortened(name, MAX_LABEL_VALUE)
 
 
 def config_map_name(xj_name: str, run_id: str) -> str:
@@ -92,7 +103,7 @@ def labels(owner: Owner, spec: ExtractionJobSpec) -> dict[str, str]:
         LABEL_NAME: "hsx",
         LABEL_COMPONENT: "extraction",
         LABEL_MANAGED_BY: MANAGER,
-        LABEL_XJ: owner.name,
+        LABEL_XJ: label_value(owner.name),
         LABEL_RUN: spec.runId,
     }
     if spec.scheduling.queueName:

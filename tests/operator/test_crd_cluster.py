@@ -190,6 +190,11 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "server.port and extractor.progressPort must differ",
     ),
     ("no-spec", {k: v for k, v in VALID.items() if k != "spec"}, "spec: Required value"),
+    (
+        "name-with-dots",
+        {**VALID, "metadata": {"name": "llama-3.1-8b"}},
+        "metadata.name may not contain dots",
+    ),
 ]
 
 

@@ -15,6 +15,7 @@ from hsx_operator.desired import (
     desired_job,
     initial_suspend,
     job_name,
+    label_value,
     server_argv,
 )
 from tests.operator.helpers import make_spec
@@ -32,6 +33,18 @@ def test_job_name_is_deterministic_and_fits_a_label() -> None:
     assert long == job_name("a" * 60, "run-" + "b" * 30)
     assert len(long) <= MAX_NAME and long[-9] == "-"
     assert job_name("a" * 60, "run-1") != job_name("a" * 60, "run-2")
+    # Indexed pods are named and hostnamed "<job>-<index>" (index < 64): still a DNS label.
+    assert len(f"{long}-63") <= 63
+
+
+def test_a_long_extraction_job_name_becomes_a_valid_label_value() -> None:
+    name = "x" * 100
+    owner = Owner(name=name, namespace="ns", uid="u")
+    job = desired_job(owner, make_spec())
+    for labels in (job["metadata"]["labels"], job["spec"]["template"]["metadata"]["labels"]):
+        value = labels["hsx.dev/extractionjob"]
+        assert value == label_value(name) and len(value) <= 63 and value[-1].isalnum()
+    assert label_value("short") == "short" and label_value(name) != label_value("x" * 99 + "y")
 
 
 def test_job_is_owned_labelled_and_indexed() -> None:

@@ -205,3 +205,18 @@ def test_a_missing_dataset_fails_in_preflight_before_the_server_starts(
     # The server (weights, GPUs) never started: the preflight stopped the pod first.
     assert not {"running", "terminated"} & set(statuses["sglang"]["state"]), statuses["sglang"]
     assert hsx_node.logs(ns.name, pod["metadata"]["name"], "sglang") == ""
+
+
+def test_a_hundred_character_name_reconciles_and_deletes(
+    ns: Namespace, run_env: dict[str, Any], start_operator: Callable[[], OperatorProcess]
+) -> None:
+    """Issue 18 item 2: the name is hashed into label values and the Job's name; deletion is not stuck."""
+    start_operator()
+    name = "n" * 100
+    ns.apply(xj_manifest(name, "r1", **run_env, suspend=True))
+    suspended = wait_for(phase(ns, name, "Suspended"), 60, "the long-named run to be suspended")
+    job = ns.get("job", suspended["jobName"])
+    assert job is not None and len(suspended["jobName"]) <= 60
+    assert len(job["metadata"]["labels"]["hsx.dev/extractionjob"]) <= 63
+    ns.kubectl("delete", "xj", name, "--wait=true", "--timeout=60s")
+    wait_for(lambda: ns.get("job", suspended["jobName"]) is None or None, 60, "the Job to be gone")
