@@ -456,6 +456,19 @@ def observe(
     status.conditions = conditions_for(
         status, seen.stalled, seen.all_ready and status.phase == Phase.RUNNING, generation, now
     )
+    quarantined = status.progress.samplesQuarantined
+    if quarantined and not base.progress.samplesQuarantined:
+        # Said once, when the first sample is set aside: each one's reason and line are in the output.
+        notes.append(
+            EventNote(
+                "Warning",
+                "SamplesQuarantined",
+                f"{quarantined} sample(s) quarantined so far; each one's reason and line are in the run's "
+                "commit records and, at the end, manifest.json",
+            )
+        )
+    if status.phase == Phase.SUCCEEDED and quarantined and "quarantined" not in status.message:
+        status.message = f"{status.message}; {quarantined} sample(s) quarantined (listed in the manifest)"
     if (status.phase, status.reason) != (base.phase, base.reason) or new_run:
         warn = seen.stalled or status.phase == Phase.FAILED
         notes.append(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -182,7 +183,10 @@ def test_written_and_quarantined_are_shown_apart_from_reports_to_history() -> No
         "xj-r1-1-b": {"samplesTotal": 50, "samplesDone": 25, "samplesQuarantined": 4},
     }
     st = run(job=job_json(), pods=[p0, p1], progress=reports).status
-    assert [(r.samplesDone, r.samplesWritten, r.samplesQuarantined) for r in st.replicas] == [(20, 17, 3), (25, 21, 4)]
+    assert [(r.samplesDone, r.samplesWritten, r.samplesQuarantined) for r in st.replicas] == [
+        (20, 17, 3),
+        (25, 21, 4),
+    ]
     p = st.progress
     assert (p.samplesDone, p.samplesWritten, p.samplesQuarantined) == (45, 38, 7)
     assert st.phase == "Running" and "45/100 samples (38 written, 7 quarantined)" in st.message
@@ -192,9 +196,15 @@ def test_written_and_quarantined_are_shown_apart_from_reports_to_history() -> No
     term = {"state": {"terminated": {"exitCode": 0, "message": (
         '{"samplesTotal": 10, "samplesDone": 10, "samplesWritten": 8, "samplesQuarantined": 2, "state": "succeeded"}'
     )}}}  # fmt: skip
-    done_job = job_json(conditions=[{"type": "Complete", "status": "True"}], completion_time="2026-12-02T10:04:00Z")
+    done_job = job_json(
+        conditions=[{"type": "Complete", "status": "True"}], completion_time="2026-12-02T10:04:00Z"
+    )
     done = run(job=done_job, pods=[pod_json(phase="Succeeded", extractor=term)]).status
-    assert (done.progress.samplesWritten, done.progress.samplesQuarantined, done.progress.percent) == (8, 2, 100)
+    assert (done.progress.samplesWritten, done.progress.samplesQuarantined, done.progress.percent) == (
+        8,
+        2,
+        100,
+    )
     record = run(spec=make_spec(runId="r2"), prior=done, generation=2).status.history[-1]
     assert (record.samplesDone, record.samplesWritten, record.samplesQuarantined) == (10, 8, 2)
 
@@ -236,13 +246,17 @@ def test_permanent_failure_is_reported_with_the_exit() -> None:
 
 
 def test_a_failed_preflight_fails_the_run_as_preflight_failed_with_its_words() -> None:
-    term = {"state": {"terminated": {"exitCode": 3, "message": "preflight failed: dataset /d.jsonl: not found"}}}
+    term = {
+        "state": {"terminated": {"exitCode": 3, "message": "preflight failed: dataset /d.jsonl: not found"}}
+    }
     pod = pod_json(phase="Failed")
     pod["status"]["initContainerStatuses"] = [{"name": "preflight", **term}]
     failed = job_json(conditions=[{"type": "Failed", "status": "True", "reason": "PodFailurePolicy"}])
     st = run(job=failed, pods=[pod]).status
     assert (st.phase, st.reason) == ("Failed", "PreflightFailed")
-    assert "preflight exited 3 (permanent failure)" in st.message and st.message.endswith("/d.jsonl: not found")
+    assert "preflight exited 3 (permanent failure)" in st.message and st.message.endswith(
+        "/d.jsonl: not found"
+    )
 
 
 def test_failure_message_takes_the_error_from_the_final_progress() -> None:
@@ -346,3 +360,31 @@ def test_replica_status_takes_its_fields_from_the_progress_contract() -> None:
     from hsx_operator.status import ReplicaStatus
 
     assert set(ReplicaStatus.model_fields) - {"index", "pod"} <= set(ProgressReport.model_fields)
+
+
+def test_quarantined_samples_are_announced_once_and_named_in_the_final_message() -> None:
+    pod = pod_json(server=SERVER_READY, extractor=EXTRACTOR_RUNNING)
+    clean = run(
+        job=job_json(), pods=[pod], progress={pod["metadata"]["name"]: {"samplesTotal": 10, "samplesDone": 2}}
+    )
+    assert not [n for n in clean.events if n.reason == "SamplesQuarantined"]
+    report = {"samplesTotal": 10, "samplesDone": 4, "samplesQuarantined": 1}
+    first = run(prior=clean.status, job=job_json(), pods=[pod], progress={pod["metadata"]["name"]: report})
+    (note,) = [n for n in first.events if n.reason == "SamplesQuarantined"]
+    assert note.type == "Warning" and note.message.startswith("1 sample(s) quarantined")
+    report = {**report, "samplesDone": 6, "samplesQuarantined": 2}
+    again = run(prior=first.status, job=job_json(), pods=[pod], progress={pod["metadata"]["name"]: report})
+    assert not [n for n in again.events if n.reason == "SamplesQuarantined"]  # once, not per sample
+    term = {
+        "state": {
+            "terminated": {
+                "exitCode": 0,
+                "message": json.dumps({**report, "samplesDone": 10, "state": "succeeded"}),
+            }
+        }
+    }
+    done = job_json(
+        conditions=[{"type": "Complete", "status": "True"}], completion_time="2026-12-02T10:04:00Z"
+    )
+    st = run(prior=again.status, job=done, pods=[pod_json(phase="Succeeded", extractor=term)]).status
+    assert st.phase == "Succeeded" and st.message.endswith("2 sample(s) quarantined (listed in the manifest)")
