@@ -28,6 +28,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from hsx_extractor.config import OutputSpec
 from hsx_extractor.storage.backends import (
     Backend,
@@ -38,6 +40,7 @@ from hsx_extractor.storage.backends import (
     TransientStoreError,
 )
 from hsx_extractor.storage.commit_record import MAX_COMMIT_BYTES, QuarantineEntry, ShardCommit
+from hsx_extractor.storage.layer_stats import combine, layer_norms, sample_norm_sums
 from hsx_extractor.storage.layout import MANIFEST_NAME, RunLayout, parse_output_uri, validate_name
 from hsx_extractor.storage.manifest import build_manifest
 from hsx_extractor.storage.shard_format import (
@@ -75,6 +78,7 @@ class ShardBuilder:
         self._spool_end = 0
         self._entries: dict[int, tuple[SampleEntry, int]] = {}
         self._quarantine: dict[int, QuarantineEntry] = {}
+        self._norm_sums: dict[int, np.ndarray] = {}
         self.result: ShardCommit | None = None
 
     def _claim(self, index: int) -> None:
@@ -87,8 +91,10 @@ class ShardBuilder:
 
     def add(self, sample: SampleRecord) -> None:
         encoded = encode_sample(sample, self._codec)  # CPU work outside the lock
+        norms = sample_norm_sums(sample.aux_hidden_states, sample.hidden_states, sample.hidden_states.shape[1])
         with self._lock:
             self._claim(sample.index)
+            self._norm_sums[sample.index] = norms
             assert self._fd is not None
             pwrite_all(self._fd, encoded.parts, self._spool_end)
             self._entries[sample.index] = (encoded.entry, self._spool_end)
@@ -99,8 +105,9 @@ class ShardBuilder:
             self._claim(entry.index)
             self._quarantine[entry.index] = entry
 
-    def seal(self) -> ShardCommit:
-        """Upload and commit. Safe to call again after a failure; a sealed builder returns its commit."""
+    def seal(self, consistency: dict[str, Any] | None = None) -> ShardCommit:
+        """Upload and commit (with the run's consistency results for the shard, if any). Safe to
+        call again after a failure; a sealed builder returns its commit."""
         with self._lock:
             if self.result is not None:
                 return self.result
@@ -127,6 +134,8 @@ class ShardBuilder:
                 stop=self.indices.stop,
                 sample_indices=tuple(e.index for e in placed),
                 quarantine=tuple(self._quarantine[i] for i in sorted(self._quarantine)),
+                layer_norms=layer_norms(combine([self._norm_sums[i] for i in sorted(self._norm_sums)])),
+                consistency=consistency,
             )
             self._store.commit_shard(commit, source)
             self.result = commit
