@@ -194,6 +194,11 @@ def _as_float(states: np.ndarray) -> np.ndarray:
 
 
 # ---- running and judging ------------------------------------------------------------------------
+# Requests compared in one pass: bounds the logits held ([MAX_BATCH * positions, vocab] float32,
+# 33 MB for 16 x 4 positions at a 129k vocabulary).
+MAX_BATCH = 16
+
+
 class Checker:
     """Compares checked requests in batches: whoever waits while a pass runs joins the next one, so
     the head is read once per pass however many requests are checked (memory: one head block plus
@@ -218,7 +223,7 @@ class Checker:
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
         while self._waiting:
-            batch, self._waiting = self._waiting, []
+            batch, self._waiting = self._waiting[:MAX_BATCH], self._waiting[MAX_BATCH:]
             t0 = loop.time()
             try:
                 results = await asyncio.to_thread(
