@@ -5,7 +5,7 @@
 Writes a model directory holding only a random bf16 lm_head of DeepSeek-V3's shape (1.85 GB; no
 weights are downloaded), then in this process:
 
-* cost: seconds of one comparison pass (``compare_items``, the extractor's own code: the head streamed
+* cost: wall and CPU seconds of one comparison pass (``compare_items``, the extractor's own code: the head streamed
   from the file, logits, log-softmax, comparison) for 1, 4 and 16 checked requests of 4 positions
   each, warm page cache (the server has just read the same file), and the process's peak RSS;
 * tolerance: a bf16 server rounds its logits to bf16 before the log-softmax; the captured state is the
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import struct
 import time
@@ -78,9 +79,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         states = bf16_round(rng.normal(0, 1, (requests * 4, args.hidden)).astype(np.float32))
         server = {p: [(0, -1.0)] for p in range(4)}  # the answer's content does not change the cost
         items = [CheckItem(i, states[4 * i : 4 * i + 4], server) for i in range(requests)]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         compare_items(items, head, "post-norm", spec)
-        cost[f"requests_{requests}_s"] = round(time.perf_counter() - t0, 3)
+        cost[f"requests_{requests}_wall_s"] = round(time.perf_counter() - t0, 3)
+        cost[f"requests_{requests}_cpu_s"] = round(time.process_time() - c0, 3)
     # Tolerance: a bf16 server's logits are its fp32-accumulated products rounded to bf16.
     states = bf16_round(rng.normal(0, 1, (args.positions, args.hidden)).astype(np.float32))
     logits = head.logits(bf16_to_float32(states))
@@ -94,6 +96,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ratios.append(res.max_error / res.tolerance)
         failures += not res.ok
     result = {
+        "load_average": [round(x, 1) for x in os.getloadavg()],
         "head": {"vocab": args.vocab, "hidden": args.hidden, "bytes": args.vocab * args.hidden * 2},
         "pass_seconds": cost,
         "rss_mib": {"before_passes": round(rss_start, 1), "peak": round(rss_mib(), 1)},

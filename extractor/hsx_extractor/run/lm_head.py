@@ -187,13 +187,17 @@ class LmHead:
         x = np.ascontiguousarray(states, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(f"states of shape {x.shape}, the head takes [N, {self.hidden_size}]")
-        out = np.empty((x.shape[0], self.vocab_size), dtype=np.float32)
+        # [vocab, N]: block @ states.T keeps both operands C-contiguous, the form OpenBLAS runs
+        # fastest with few states (5x the CPU time of states @ block.T, measured at H=7168).
+        out_t = np.empty((self.vocab_size, x.shape[0]), dtype=np.float32)
+        x_t = np.ascontiguousarray(x.T)
         row_bytes = self.hidden_size * _DTYPES[self.head.dtype]
         for r0 in range(0, self.vocab_size, self.rows_per_block):
             r1 = min(self.vocab_size, r0 + self.rows_per_block)
             raw = np.frombuffer(self._read(self.head, r0 * row_bytes, (r1 - r0) * row_bytes, self._buf), _raw(self.head))
             block = to_float32(raw, self.head.dtype).reshape(r1 - r0, self.hidden_size)
-            np.matmul(x, block.T, out=out[:, r0:r1])
+            np.matmul(block, x_t, out=out_t[r0:r1])
+        out = np.ascontiguousarray(out_t.T)
         if self.config.logit_scale is not None:
             out *= np.float32(self.config.logit_scale)
         if self.config.softcap is not None:
