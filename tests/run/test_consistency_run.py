@@ -87,7 +87,7 @@ def test_the_check_fails_a_run_with_a_wrong_capture_at_its_end_too(tmp_path: Pat
     ref_server.set_fault("wrong_layer")
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows(6, words=30))
     cfg = base_config(tmp_path, ref_server, data, validation__consistency={"samplesPerShard": 2})
-    code, result, progress = run(cfg)
+    code, _, progress = run(cfg)
     assert code == EXIT_PERMANENT and (progress.last_error or "").startswith("CaptureInconsistent: 2 of 2")
     assert not (tmp_path / "out" / "run" / "manifest.json").exists()
 

@@ -363,7 +363,7 @@ def _meta_tail(meta: DumpMeta) -> tuple[int, int, tuple[int, ...], str]:
     return meta.seq_len, meta.hidden_size, meta.capture_layers, meta.producer
 
 
-def _logprob_ask(body: dict[str, Any], length: int) -> tuple[int, int] | None | web.Response:
+def _logprob_ask(body: dict[str, Any], length: int) -> tuple[int, int] | web.Response | None:
     """SGLang's input-logprob request fields: ``(start, top k)`` or None (not asked)."""
     if not body.get("return_logprob"):
         return None
