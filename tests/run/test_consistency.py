@@ -15,8 +15,10 @@ import pytest
 from hsx_extractor.config import ConsistencySpec
 from hsx_extractor.model import ModelConfigError
 from hsx_extractor.run.consistency import (
+    MAX_BATCH,
     Checker,
     CheckItem,
+    Consistency,
     ConsistencyGate,
     check_positions,
     compare_items,
@@ -252,6 +254,22 @@ def test_checker_batches_waiting_requests_into_one_pass(tmp_path: Path) -> None:
     assert passes <= 2  # the first request alone, then all that waited meanwhile
     summary = summarize(results)
     assert summary["checked"] == list(range(6)) and summary["failed"] == [3]
+
+
+def test_a_sample_is_not_checked_while_the_checker_is_behind(tmp_path: Path) -> None:
+    head, spec = LmHead(model_dir(tmp_path)), ConsistencySpec()
+    item = CheckItem(0, bf16_bits(np.ones((1, 16), np.float32)), {5: [(0, -1.0)]})
+
+    async def go() -> tuple[list[int], list[int], int]:
+        consistency = Consistency(Checker(head, spec), ConsistencyGate(1.0, 1), sampled={1, 2})
+        waiting = [asyncio.create_task(consistency.checker.check(item)) for _ in range(2 * MAX_BATCH)]
+        await asyncio.sleep(0)  # all enqueued: two full passes wait
+        behind = consistency.plan(1, 50)
+        await asyncio.gather(*waiting)
+        return behind, consistency.plan(2, 50), consistency.skipped
+
+    behind, caught_up, skipped = asyncio.run(go())
+    assert behind == [] and skipped == 1 and caught_up == check_positions(50, spec.positions)
 
 
 def test_gate_fails_early_only_from_min_checks_and_at_the_end_on_any() -> None:

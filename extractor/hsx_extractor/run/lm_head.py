@@ -92,7 +92,9 @@ def _pick(names: Mapping[str, Path], suffixes: tuple[str, ...]) -> str | None:
 def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
     """Raw tensor elements (uint16 bits for BF16/F16) as float32 (pure)."""
     if dtype == "BF16":
-        return (raw.astype(np.uint32) << 16).view(np.float32)
+        wide = raw.astype(np.uint32)
+        wide <<= 16  # in place: one float32-sized array per block, not two
+        return wide.view(np.float32)
     if dtype == "F16":
         return raw.view(np.float16).astype(np.float32)
     return raw.view(np.float32).astype(np.float32, copy=False)
