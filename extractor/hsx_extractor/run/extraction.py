@@ -327,6 +327,13 @@ class Extraction:
         finally:
             self.store_thread.shutdown(wait=False)
             self.seal_threads.shutdown(wait=False)
+            if ctx.consistency is not None:
+                c, g = ctx.consistency, self.consistency_gate
+                print(
+                    f"hsx: consistency: {g.checked} checked, {g.failed} disagreed, {c.skipped} skipped; "
+                    f"{c.checker.passes} passes over the head in {c.checker.seconds:.2f}s",
+                    flush=True,
+                )
         unfinished = sorted(k for k, s in shards.items() if s.remaining)
         if unfinished:
             raise permanent(
