@@ -159,6 +159,48 @@ class OutputSpec(_Spec):
     _endpoint = field_validator("endpoint")(check_endpoint)
 
 
+class ConsistencySpec(_Spec):
+    """Whether the captured final states agree with the model's own next-token predictions."""
+
+    samplesPerShard: int = Field(
+        2,
+        ge=0,
+        le=64,
+        description="Requests per shard (chosen by sample index, the same on every attempt) that also ask "
+        "the server for the prompt's top next-token logprobs; their captured final state, through the "
+        "model's lm_head (read from modelPath with numpy), must rank the same tokens with logprobs within "
+        "tolerance. 0 turns the check off.",
+    )
+    positions: int = Field(
+        4, ge=1, le=64, description="Prompt positions compared per checked request, spread over its tail."
+    )
+    topK: int = Field(5, ge=1, le=20, description="Top next-token logprobs compared at each position.")
+    logprobTolerance: float = Field(
+        0.05,
+        gt=0,
+        le=10,
+        description="Absolute part of the allowed logprob difference (nats) between the server and the "
+        "captured state.",
+    )
+    logprobRelTolerance: float = Field(
+        0.008,
+        ge=0,
+        le=1,
+        description="Relative part, times the largest |logit| at the position: a bf16 server rounds logits "
+        "by up to 2^-9 of their size, and the target's logit and the normaliser each carry that error.",
+    )
+    maxFailureRate: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="The run fails (CaptureInconsistent) when more than this fraction of checked requests "
+        "disagree, judged once minChecks requests were checked and again at the end of the run.",
+    )
+    minChecks: int = Field(
+        4, ge=1, description="Checked requests needed before the failure rate can fail the run early."
+    )
+
+
 class ValidationSpec(_Spec):
     """How strictly dumps are checked against what was sent."""
 
@@ -187,6 +229,11 @@ class ValidationSpec(_Spec):
         ge=0,
         le=10,
         description="Retries of a request whose dump did not arrive before quarantine (no_dump).",
+    )
+    consistency: ConsistencySpec = Field(
+        default_factory=ConsistencySpec,  # type: ignore[arg-type]
+        description="Check sampled captures against the model's own next-token logprobs.",
+        json_schema_extra={"default": {}},
     )
 
 

@@ -58,6 +58,9 @@ class ProgressReport(BaseModel):
     runId: str = ""
     replicaIndex: int = 0
     quarantinedByReason: dict[str, int] = Field(default_factory=dict)
+    # The consistency check (validation.consistency): requests checked and how many disagreed.
+    consistencyChecked: int = 0
+    consistencyFailed: int = 0
 
     def termination_message(self, limit: int = TERMINATION_MESSAGE_LIMIT) -> str:
         """Compact JSON within ``limit`` bytes: per-reason counts and a long error are cut first."""

@@ -30,7 +30,7 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:  # numpy is imported where dumps are read: the operator imports this module's names
     import numpy as np
@@ -44,7 +44,7 @@ PARTIAL_SUFFIX = ".partial"
 
 # What the dump's final state is (the manifest's capture.finalState): after the model's final norm,
 # as SGLang's logits processor keeps it and as Hugging Face returns hidden_states[-1].
-FINAL_STATE = "post-norm"
+FINAL_STATE: Final = "post-norm"
 
 TENSOR_INPUT_IDS = "input_ids"
 TENSOR_AUX = "aux_hidden_states"

@@ -14,7 +14,8 @@ from hsx_extractor.config import OutputSpec
 from hsx_extractor.reader import HiddenStatesDataset
 from hsx_extractor.storage.backends import PermanentStoreError, ShardConflictError
 from hsx_extractor.storage.commit_record import QuarantineEntry
-from hsx_extractor.storage.store import open_store, open_uri_lines
+from hsx_extractor.storage.store import open_store
+from hsx_extractor.storage.uris import open_uri_lines
 from hsx_extractor.tools.verify import run_verify
 from tests.storage.samples import finalize_run, plan_for, record, seq_len_of, write_run
 

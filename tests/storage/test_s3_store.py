@@ -21,7 +21,8 @@ from hsx_extractor.storage.layout import InvalidKeyError
 from hsx_extractor.storage.s3 import MultipartUploader, S3Backend
 from hsx_extractor.storage.s3_client import S3Endpoint
 from hsx_extractor.storage.spool import SpooledObject
-from hsx_extractor.storage.store import open_store, open_uri_lines
+from hsx_extractor.storage.store import open_store
+from hsx_extractor.storage.uris import open_uri_lines
 from hsx_extractor.tools.verify import run_verify
 from tests.ground.s3 import S3Server
 from tests.storage.faultproxy import FaultPlan, FaultProxy

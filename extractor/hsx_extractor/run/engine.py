@@ -19,6 +19,7 @@ from hsx_extractor.protocol import RunKey, dump_bytes_bound, make_rid
 from hsx_extractor.reasons import Reason
 from hsx_extractor.run import collect
 from hsx_extractor.run.collect import Collector
+from hsx_extractor.run.consistency import Consistency, logprob_request
 from hsx_extractor.run.dataset import Prepared, Rejected
 from hsx_extractor.run.failures import RunFailed, describe_failure, permanent
 from hsx_extractor.run.progress import Progress
@@ -46,6 +47,8 @@ class EngineContext:
     run_key: RunKey
     store_thread: ThreadPoolExecutor
     seal_threads: ThreadPoolExecutor
+    # The consistency check (None: off).
+    consistency: Consistency | None = None
 
 
 @dataclass
@@ -238,8 +241,12 @@ class ShardWorker:
             sent.append(rid)
             return rid
 
+        consistency = self.ctx.consistency
+        positions = consistency.plan(sample.index, len(ids)) if consistency else []
+        extra = logprob_request(positions, consistency.spec.topK) if consistency and positions else None
         try:
-            rid = (await self.client.generate(ids, sent[0], renew)).rid
+            answered = await self.client.generate(ids, sent[0], renew, extra)
+            rid = answered.rid
         except RequestRejected as exc:
             return Mismatch(Reason.SERVER_ERROR, f"rid {exc.rid}: {exc}")
         arrival = await self.collector.wait(rid, v.dumpTimeoutSeconds)
@@ -261,6 +268,12 @@ class ShardWorker:
         if isinstance(checked, Mismatch):
             collect.remove(self.cfg.dumpDir, rid)
             return checked
+        if consistency and positions:
+            try:
+                await consistency.judge(sample.index, checked.hidden_states, positions, answered.body)
+            except BaseException:
+                collect.remove(self.cfg.dumpDir, rid)
+                raise
         record = SampleRecord(
             sample.index,
             sample.sample_id,
@@ -289,7 +302,8 @@ class ShardWorker:
             self.progress.sample_quarantined(item.reason)
         if full:
             assert shard.builder is not None
-            commit = await loop.run_in_executor(self.ctx.seal_threads, shard.builder.seal)
+            checks = self.ctx.consistency.shard_summary(shard.indices) if self.ctx.consistency else None
+            commit = await loop.run_in_executor(self.ctx.seal_threads, shard.builder.seal, checks)
             self.commits.append(commit)
             self.progress.shard_committed(commit.bytes_stored)
 

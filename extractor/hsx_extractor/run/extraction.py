@@ -20,13 +20,28 @@ import aiohttp
 
 from hsx_extractor import __version__, protocol
 from hsx_extractor.config import ExtractConfig
-from hsx_extractor.model import LAYER_CONVENTION, ModelShape, check_vocab, model_fingerprint, model_shape
+from hsx_extractor.model import (
+    LAYER_CONVENTION,
+    ModelConfigError,
+    ModelShape,
+    check_vocab,
+    model_fingerprint,
+    model_shape,
+)
 from hsx_extractor.protocol import FINAL_STATE, RunKey
 from hsx_extractor.reasons import Reason
 from hsx_extractor.run import collect
+from hsx_extractor.run.consistency import (
+    CaptureInconsistent,
+    Checker,
+    Consistency,
+    ConsistencyGate,
+    sampled_indices,
+)
 from hsx_extractor.run.dataset import Prepared, Rejected, dataset_endpoint, read_samples
 from hsx_extractor.run.engine import EngineContext, ShardState, ShardWorker
 from hsx_extractor.run.failures import permanent
+from hsx_extractor.run.lm_head import LmHead
 from hsx_extractor.run.plan import PLAN_NAME, PlanMismatch, ShardPlan, build_plan, hashed, replica_shards
 from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.server_client import ServerClient
@@ -37,7 +52,8 @@ from hsx_extractor.sglang_hook.launch import HOOK_PRODUCER, SGLANG_VERSION
 from hsx_extractor.storage.commit_record import ShardCommit
 from hsx_extractor.storage.manifest import Capture
 from hsx_extractor.storage.shard_format import STATES_DTYPE
-from hsx_extractor.storage.store import Store, open_store, open_uri_chunks, uri_stat
+from hsx_extractor.storage.store import Store, open_store
+from hsx_extractor.storage.uris import open_uri_chunks, uri_stat
 
 SERVER_START_TIMEOUT_S = 600.0
 
@@ -92,6 +108,11 @@ class Extraction:
         self.run_key = RunKey(cfg.runId, self.cfg.replicaIndex, os.urandom(3).hex())
         self.store_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsx-store")
         self.seal_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hsx-seal")
+        c = self.cfg.validation.consistency
+        self.consistency_gate = ConsistencyGate(c.maxFailureRate, c.minChecks)
+        self.progress.watch_consistency(lambda: (self.consistency_gate.checked, self.consistency_gate.failed))
+        # Why the consistency check is off, when it is (the manifest says so).
+        self.consistency_off: str | None = None
 
     # ---- start: tokenizer, server, store, plan ----------------------------------------------
     def open_tokenizer(self) -> ChatTokenizer:
@@ -190,6 +211,40 @@ class Extraction:
         await asyncio.to_thread(self.check_dataset_unchanged, plan)
         return plan
 
+    def open_head(self, shape: ModelShape) -> LmHead | None:
+        """The model's head for the consistency check; None (and why, in consistency_off) when the
+        check is off. Left at its default, a model directory without readable weights turns the check
+        off with a warning; asked for explicitly, it fails the run."""
+        spec = self.cfg.validation.consistency
+        if spec.samplesPerShard == 0:
+            self.consistency_off = "validation.consistency.samplesPerShard is 0"
+            return None
+        try:
+            if not self.cfg.modelPath:
+                raise ModelConfigError("no modelPath: the extractor needs the model's weights for the check")
+            head = LmHead(self.cfg.modelPath)
+        except (ModelConfigError, OSError, ValueError) as exc:
+            if "samplesPerShard" in spec.model_fields_set:
+                raise permanent(f"validation.consistency: {exc}") from exc
+            self.consistency_off = f"cannot read the model's head: {exc}"
+            print(f"hsx: warning: consistency check off: {self.consistency_off}", flush=True)
+            return None
+        if head.hidden_size != shape.hidden_size:
+            raise permanent(
+                f"the model's head takes hidden size {head.hidden_size}, the server captures {shape.hidden_size}"
+            )
+        return head
+
+    def consistency_for(self, shape: ModelShape, plan: ShardPlan, todo: list[int]) -> Consistency | None:
+        head = self.open_head(shape)
+        if head is None:
+            return None
+        spec = self.cfg.validation.consistency
+        sampled = {
+            i for k in todo for i in sampled_indices(k, plan.shard_range(k), spec.samplesPerShard, self.cfg.runId)
+        }
+        return Consistency(Checker(head, spec, FINAL_STATE), self.consistency_gate, sampled)
+
     # ---- the run -------------------------------------------------------------------------------
     async def run(self) -> RunResult:
         cfg = self.cfg
@@ -227,6 +282,9 @@ class Extraction:
             await self._count_resumed(store, plan, [k for k in mine if k in committed], len(mine))
             self.progress.mark_running()
             commits = await self._extract(store, client, tok, shape, plan, todo, producer) if todo else []
+        verdict = self.consistency_gate.verdict(final=True)
+        if verdict:
+            raise CaptureInconsistent(verdict)
         described = functools.partial(self.describe, tok, shape, plan, engine)
         manifest = await asyncio.to_thread(store.finalize, plan.planned(), described)
         self.progress.mark_succeeded()
@@ -250,6 +308,8 @@ class Extraction:
                 p.samples_written += commit.samples
                 for q in commit.quarantine:
                     p.quarantined[q.reason] += 1
+                if commit.consistency is not None:  # an earlier process's checks count too
+                    self.consistency_gate.add(len(commit.consistency["checked"]), len(commit.consistency["failed"]))
 
     def describe(
         self, tok: ChatTokenizer, shape: ModelShape, plan: ShardPlan, engine: tuple[str, str]
@@ -275,11 +335,18 @@ class Extraction:
                 "maxLength": cfg.dataset.maxLength,
                 "expandTurns": cfg.dataset.expandTurns,
                 "replicaCount": cfg.replicaCount,
+                "consistency": self.consistency_info(),
             },
             "capture": capture.to_json(),
             "tokenizer": tok.description(),
             "dataset": dataset_digest(cfg.dataset.uri, dataset_endpoint(cfg)),
         }
+
+    def consistency_info(self) -> dict[str, Any]:
+        spec = self.cfg.validation.consistency
+        if self.consistency_off:
+            return {"off": self.consistency_off}
+        return spec.model_dump()  # the final state it assumed is the manifest's capture.finalState
 
     async def _extract(
         self,
@@ -300,6 +367,7 @@ class Extraction:
             self.run_key,
             self.store_thread,
             self.seal_threads,
+            self.consistency_for(shape, plan, todo),
         )
         worker = ShardWorker(ctx, store, client, shape, shards, shard_of, producer)
         try:
@@ -310,6 +378,13 @@ class Extraction:
         finally:
             self.store_thread.shutdown(wait=False)
             self.seal_threads.shutdown(wait=False)
+            if ctx.consistency is not None:
+                c, g = ctx.consistency, self.consistency_gate
+                print(
+                    f"hsx: consistency: {g.checked} checked, {g.failed} disagreed, {c.skipped} skipped; "
+                    f"{c.checker.passes} passes over the head in {c.checker.seconds:.2f}s",
+                    flush=True,
+                )
         unfinished = sorted(k for k, s in shards.items() if s.remaining)
         if unfinished:
             raise permanent(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from hsx_extractor.contract import EXIT_PERMANENT, EXIT_TRANSIENT
 from hsx_extractor.model import ModelConfigError
 from hsx_extractor.protocol import DumpDirError
+from hsx_extractor.run.consistency import CaptureInconsistent
 from hsx_extractor.run.server_client import ServerUnavailable
 from hsx_extractor.run.sources import DatasetError
 from hsx_extractor.run.tokens import TokenizerError
@@ -30,7 +31,9 @@ def permanent(message: str) -> RunFailed:
 # or other capture layers than the extractor was told: every later sample would fail the same way.
 # A TokenizerError can surface at the first row that needs it (format: auto, no chat template).
 # A DumpDirError means the pod's containers cannot share the dump directory (their users).
-_PERMANENT = (DatasetError, ModelConfigError, DumpShapeError, TokenizerError, DumpDirError)
+# CaptureInconsistent: the server captures states its own predictions disagree with; a retry
+# captures the same way.
+_PERMANENT = (DatasetError, ModelConfigError, DumpShapeError, TokenizerError, DumpDirError, CaptureInconsistent)
 
 
 def describe_failure(exc: BaseException) -> tuple[str, int]:

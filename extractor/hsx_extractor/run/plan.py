@@ -71,7 +71,7 @@ class ShardPlan:
     # rows' raw bytes (shard_digests); empty in plans made without them.
     lines: tuple[tuple[int, int], ...] = ()
     digests: tuple[str, ...] = ()
-    # The dataset's stat when planned (storage.store.uri_stat): size and ETag or mtime.
+    # The dataset's stat when planned (storage.uris.uri_stat): size and ETag or mtime.
     source: dict[str, Any] = field(default_factory=dict)
 
     def shard_range(self, shard: int) -> range:

@@ -42,6 +42,8 @@ class Progress:
     finished_at: float | None = None
     _metrics: Metrics | None = None
     _in_flight_probe: Callable[[], int] | None = None
+    # (checked, failed) of the consistency check, read when asked
+    _consistency_probe: Callable[[], tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
         self._metrics = Metrics()
@@ -75,6 +77,9 @@ class Progress:
         self._in_flight_probe = probe
         self.metrics.in_flight.set_function(lambda: float(probe()))
 
+    def watch_consistency(self, probe: Callable[[], tuple[int, int]]) -> None:
+        self._consistency_probe = probe
+
     def mark_running(self) -> None:
         self.state = "running"
         self.running_since = time.monotonic()
@@ -101,6 +106,7 @@ class Progress:
         samples_rate = fresh / elapsed
         remaining = max(self.samples_total - self.samples_done, 0)
         eta = remaining / samples_rate if samples_rate > 0 else None
+        checked, failed = self._consistency_probe() if self._consistency_probe else (0, 0)
         return ProgressReport(
             samplesTotal=self.samples_total,
             samplesDone=self.samples_done,
@@ -119,6 +125,8 @@ class Progress:
             runId=self.run_id,
             replicaIndex=self.replica_index,
             quarantinedByReason=dict(sorted(self.quarantined.items())),
+            consistencyChecked=checked,
+            consistencyFailed=failed,
         )
 
     def snapshot(self) -> dict[str, Any]:
@@ -145,6 +153,7 @@ class Progress:
             f"written={s['samplesWritten']} quarantined={s['samplesQuarantined']} tokens={s['tokensDone']} "
             f"tok/s={s['tokensPerSecond']:.1f} shards={s['shardsCommitted']}/{s['shardsTotal']} "
             f"bytes={s['bytesCommitted']} in_flight={s['requestsInFlight']} eta={eta}"
+            f" checked={s['consistencyChecked']} inconsistent={s['consistencyFailed']}"
         )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,17 +42,19 @@ class Answered:
     body: dict[str, Any]
 
 
-def generate_body(input_ids: Sequence[int], rid: str) -> dict[str, Any]:
+def generate_body(input_ids: Sequence[int], rid: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """One prefill, one generated token; the dump is the wanted result.
 
     ``return_hidden_states`` must be true: SGLang only runs the hooked result path for batches
     that ask for hidden states, and the hook then writes them to the dump instead of the response.
+    ``extra``: more fields (the consistency check's logprob request).
     """
     return {
         "input_ids": [int(i) for i in input_ids],
         "rid": rid,
         "sampling_params": {"max_new_tokens": 1, "temperature": 0},
         "return_hidden_states": True,
+        **(extra or {}),
     }
 
 
@@ -103,7 +105,11 @@ class ServerClient:
         return info
 
     async def generate(
-        self, input_ids: Sequence[int], rid: str, renew: Callable[[str], str]
+        self,
+        input_ids: Sequence[int],
+        rid: str,
+        renew: Callable[[str], str],
+        extra: Mapping[str, Any] | None = None,
     ) -> Answered:
         """POST /generate, first as ``rid``. Retries connection failures and 5xx, each retry under
         ``renew(previous rid)`` (a new rid); raises :class:`RequestRejected` on 4xx and
@@ -112,12 +118,16 @@ class ServerClient:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             try:
-                return await self._post_with_retries(input_ids, rid, renew)
+                return await self._post_with_retries(input_ids, rid, renew, extra)
             finally:
                 self.in_flight -= 1
 
     async def _post_with_retries(
-        self, input_ids: Sequence[int], rid: str, renew: Callable[[str], str]
+        self,
+        input_ids: Sequence[int],
+        rid: str,
+        renew: Callable[[str], str],
+        extra: Mapping[str, Any] | None,
     ) -> Answered:
         last = ""
         first = rid
@@ -127,7 +137,7 @@ class ServerClient:
                 rid = renew(rid)
             try:
                 async with self.session.post(
-                    f"{self.base_url}/generate", json=generate_body(input_ids, rid), timeout=self.request_timeout
+                    f"{self.base_url}/generate", json=generate_body(input_ids, rid, extra), timeout=self.request_timeout
                 ) as r:
                     text = await r.text()
                     if r.status < 400:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hsx_extractor.storage.s3_client import S3Endpoint
-from hsx_extractor.storage.store import open_uri_chunks, open_uri_lines, open_uri_source
+from hsx_extractor.storage.uris import open_uri_chunks, open_uri_lines, open_uri_source
 
 CHUNK = 8 << 20
 PARQUET_BATCH_ROWS = 256

@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from hsx_extractor.storage.layer_stats import check_layer_norms
 from hsx_extractor.storage.layout import MAX_SHARDS
 from hsx_extractor.storage.stored_json import (
     MAX_INDEX,
@@ -78,6 +79,10 @@ class ShardCommit:
     # Token id -> occurrences where the loss mask is 1, over the stored samples; None in records
     # written before hsx counted them.
     token_counts: dict[int, int] | None = field(default=None, repr=False)
+    # Derived facts, not content (two identical writers may round them differently):
+    # per-layer token-norm statistics (storage.layer_stats) and the consistency check's results.
+    layer_norms: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    consistency: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -94,6 +99,10 @@ class ShardCommit:
         }
         if self.token_counts is not None:
             out["tokenCounts"] = counts_to_json(self.token_counts)
+        if self.layer_norms is not None:
+            out["layerNorms"] = self.layer_norms
+        if self.consistency is not None:
+            out["consistency"] = self.consistency
         return out
 
     @classmethod
@@ -126,11 +135,13 @@ class ShardCommit:
                 sample_indices=indices,
                 quarantine=quarantine,
                 token_counts=None if obj.get("tokenCounts") is None else counts_from_json(obj["tokenCounts"]),
+                layer_norms=None if obj.get("layerNorms") is None else check_layer_norms(obj["layerNorms"]),
+                consistency=None if obj.get("consistency") is None else _consistency(obj["consistency"], start, stop),
             )
+        except ValueError as exc:  # ShardFormatError included
+            raise ShardFormatError(f"commit record is malformed: {exc}") from None
         except KeyError as exc:
             raise ShardFormatError(f"commit record is malformed: no field {exc}") from None
-        except ShardFormatError as exc:
-            raise ShardFormatError(f"commit record is malformed: {exc}") from None
         q_indices = [q.index for q in quarantine]
         if any(not start <= i < stop for i in q_indices):
             raise ShardFormatError(f"commit record is malformed: a quarantined index is outside [{start}, {stop})")
@@ -166,3 +177,14 @@ class ShardCommit:
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> ShardCommit:
         """A commit record from its stored bytes (bounded parse, then :meth:`from_json`)."""
         return cls.from_json(load_json(data, "commit record", MAX_COMMIT_BYTES))
+
+
+def _consistency(obj: Any, start: int, stop: int) -> dict[str, Any]:
+    """A stored ``consistency`` value, checked: indices of checked and failed requests in the shard."""
+    obj = json_dict(obj, "consistency")
+    checked = [json_int(i, "checked index", start, stop - 1) for i in json_list(obj["checked"], "checked")]
+    failed = [json_int(i, "failed index", start, stop - 1) for i in json_list(obj["failed"], "failed")]
+    worst = obj.get("maxLogprobError", 0.0)
+    if not set(failed) <= set(checked) or not isinstance(worst, int | float) or isinstance(worst, bool):
+        raise ShardFormatError("consistency: failed requests must be checked ones, maxLogprobError a number")
+    return {"checked": checked, "failed": failed, "maxLogprobError": worst}

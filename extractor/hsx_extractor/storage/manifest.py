@@ -107,6 +107,8 @@ def build_manifest(
                 "bytesRaw": c.bytes_raw,
                 "checksum": c.checksum,
             }
+            | ({"layerNorms": c.layer_norms} if c.layer_norms is not None else {})
+            | ({"consistency": c.consistency} if c.consistency is not None else {})
             for c in commits
         ],
         "quarantine": [q.to_json() for c in commits for q in c.quarantine],

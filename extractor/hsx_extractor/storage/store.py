@@ -22,11 +22,11 @@ is written last, by :meth:`Store.finalize`, once every planned shard has a recor
 from __future__ import annotations
 
 import json
-import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from hsx_extractor.config import OutputSpec
 from hsx_extractor.storage.backends import (
@@ -38,6 +38,7 @@ from hsx_extractor.storage.backends import (
     TransientStoreError,
 )
 from hsx_extractor.storage.commit_record import MAX_COMMIT_BYTES, QuarantineEntry, ShardCommit
+from hsx_extractor.storage.layer_stats import combine, layer_norms, sample_norm_sums
 from hsx_extractor.storage.layout import MANIFEST_NAME, RunLayout, parse_output_uri, validate_name
 from hsx_extractor.storage.manifest import build_manifest
 from hsx_extractor.storage.shard_format import (
@@ -57,7 +58,7 @@ from hsx_extractor.storage.stored_json import load_json
 from hsx_extractor.storage.token_counts import add_counts, count_masked
 
 if TYPE_CHECKING:
-    from hsx_extractor.storage.s3_client import S3Endpoint
+    pass
 
 HEAD_PROBE_BYTES = 64 << 10  # first read of a shard; usually holds the whole header
 MAX_NAMED_JSON_BYTES = 1 << 30  # plan.json and manifest.json: beyond this, damage
@@ -77,6 +78,7 @@ class ShardBuilder:
         self._entries: dict[int, tuple[SampleEntry, int]] = {}
         self._quarantine: dict[int, QuarantineEntry] = {}
         self._token_counts: dict[int, int] = {}  # over the loss-masked tokens of the samples added
+        self._norm_sums: dict[int, np.ndarray] = {}
         self.result: ShardCommit | None = None
 
     def _claim(self, index: int) -> None:
@@ -90,8 +92,10 @@ class ShardBuilder:
     def add(self, sample: SampleRecord) -> None:
         encoded = encode_sample(sample, self._codec)  # CPU work outside the lock
         counts = count_masked(sample.input_ids, sample.loss_mask)
+        norms = sample_norm_sums(sample.aux_hidden_states, sample.hidden_states, sample.hidden_states.shape[1])
         with self._lock:
             self._claim(sample.index)
+            self._norm_sums[sample.index] = norms
             assert self._fd is not None
             pwrite_all(self._fd, encoded.parts, self._spool_end)
             add_counts(self._token_counts, counts)
@@ -103,8 +107,9 @@ class ShardBuilder:
             self._claim(entry.index)
             self._quarantine[entry.index] = entry
 
-    def seal(self) -> ShardCommit:
-        """Upload and commit. Safe to call again after a failure; a sealed builder returns its commit."""
+    def seal(self, consistency: dict[str, Any] | None = None) -> ShardCommit:
+        """Upload and commit (with the run's consistency results for the shard, if any). Safe to
+        call again after a failure; a sealed builder returns its commit."""
         with self._lock:
             if self.result is not None:
                 return self.result
@@ -132,6 +137,8 @@ class ShardBuilder:
                 sample_indices=tuple(e.index for e in placed),
                 quarantine=tuple(self._quarantine[i] for i in sorted(self._quarantine)),
                 token_counts=dict(self._token_counts),
+                layer_norms=layer_norms(combine([self._norm_sums[i] for i in sorted(self._norm_sums)])),
+                consistency=consistency,
             )
             self._store.commit_shard(commit, source)
             self.result = commit
@@ -418,78 +425,3 @@ def open_store(
     if writing and probe is not None:
         probe(store.layout.root + "/")
     return store
-
-
-def _s3_object(uri: str, where: S3Endpoint | None) -> tuple[Any, str]:
-    from hsx_extractor.storage.s3 import S3Backend, split_object_uri
-    from hsx_extractor.storage.s3_client import S3Endpoint, S3TransferConfig, make_client
-
-    bucket, key = split_object_uri(uri)
-    config = S3TransferConfig()
-    client = make_client(where or S3Endpoint(), config)
-    return S3Backend(client, bucket, config, ""), key
-
-
-def _local_path(uri: str) -> str:
-    return uri[len("file://") :] if uri.startswith("file://") else uri
-
-
-def uri_stat(uri: str, where: S3Endpoint | None = None) -> dict[str, Any]:
-    """What changes when a file or object is rewritten: size and ETag (S3) or size and mtime (local)."""
-    if uri.startswith("s3://"):
-        backend, key = _s3_object(uri, where)
-        return backend.stat(key)  # type: ignore[no-any-return]
-    st = os.stat(_local_path(uri))
-    return {"size": st.st_size, "mtimeNs": st.st_mtime_ns}
-
-
-def open_uri_lines(uri: str, where: S3Endpoint | None = None) -> Iterator[bytes]:
-    """Lines (with their newline) of a local file, ``file://`` or ``s3://bucket/key`` object.
-
-    For ``s3://``, ``where`` names the store (endpoint, region, path style, credentials);
-    without it the AWS defaults apply.
-    """
-    if uri.startswith("s3://"):
-        backend, key = _s3_object(uri, where)
-        yield from backend.iter_lines(key)
-        return
-    with open(_local_path(uri), "rb") as f:
-        yield from f
-
-
-def open_uri_chunks(uri: str, where: S3Endpoint | None = None, chunk_size: int = 8 << 20) -> Iterator[bytes]:
-    """The bytes of a local file or ``s3://`` object, front to back in chunks (ranged reads on S3)."""
-    if uri.startswith("s3://"):
-        backend, key = _s3_object(uri, where)
-        yield from backend.iter_object(key, chunk_size)
-        return
-    with open(_local_path(uri), "rb") as f:
-        while chunk := f.read(chunk_size):
-            yield chunk
-
-
-class _ObjectRanges:
-    """Random access to one object: its size and ranged reads (an ObjectSource)."""
-
-    def __init__(self, backend: Any, key: str, description: str) -> None:
-        self._backend, self._key = backend, key
-        size = backend.size(key)
-        if size is None:
-            raise PermanentStoreError(f"{description} does not exist")
-        self._size = int(size)
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    def read_at(self, offset: int, length: int) -> bytes:
-        return bytes(self._backend.get_range(self._key, offset, length))
-
-
-def open_uri_source(uri: str, where: S3Endpoint | None = None) -> ObjectSource:
-    """Random access (size, ranged reads) to a local file or ``s3://`` object, e.g. for Parquet."""
-    if uri.startswith("s3://"):
-        backend, key = _s3_object(uri, where)
-        return _ObjectRanges(backend, key, uri)
-    path = Path(_local_path(uri))
-    return _ObjectRanges(LocalBackend(path.parent), path.name, uri)

@@ -261,7 +261,7 @@ def parser() -> argparse.ArgumentParser:
     # Test hooks: deliberate misbehaviour.
     p.add_argument(
         "--fault",
-        choices=["swap", "drop", "truncate", "add_bos", "nan", "error", "drop_response"],
+        choices=["swap", "drop", "truncate", "add_bos", "nan", "error", "drop_response", "prenorm", "wrong_layer", "partial_sum"],
         help="TEST HOOK: spoil requests on purpose",
     )
     p.add_argument(

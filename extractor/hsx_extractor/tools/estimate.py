@@ -5,15 +5,13 @@ bf16 values, plus the int32 token id and a uint8 loss-mask entry. Hidden states 
 
     bytes ~= tokens x (aux layers + 1) x hidden_size x 2 / compression ratio
 
-The rest (shard headers, commit records, plan) is computed by laying the shards out with the shard
-format's own functions (run/plan.py, storage/shard_format.py), so it is exact up to the digits of the numbers in it.
-The compression ratio depends on the model's activations: the estimate prints the raw size and
-the stored size under a stated ratio; a trial run with ``dataset.limit`` measures the real one.
-A ratio is applied to the bytes it was measured on. The default (``DEFAULT_RATIOS``) was measured
-on hidden states alone and divides the hidden-state bytes. A trial's ratio, as its manifest.json
-(``compression.ratio``) and ``hsx verify`` report it, is raw tensor bytes (hidden states, ids, loss
-masks) over the stored shard objects (headers and padding included), so it divides the estimated
-raw tensor bytes and stands for the whole shards; commit records, plan and manifest are added after.
+The rest (shard headers, commit records, plan) is computed by laying the shards out with the shard format's
+own functions (run/plan.py, storage/shard_format.py): exact up to the digits of the numbers in it. The
+lossless ratio depends on the activations: the estimate states the one it assumes, and a trial run with
+``dataset.limit`` measures the real one; fp8-e4m3's size is exact. A ratio is applied to the bytes it was
+measured on: the default (``DEFAULT_RATIOS``) divides the hidden-state bytes; a trial's manifest ratio
+(``compression.ratio``, also in ``hsx verify``) is raw tensor bytes over the stored shard objects, so it
+divides the raw tensor bytes and stands for the whole shards (commit records, plan, manifest added after).
 ``--trial RUN`` reads the trial's shard headers instead and measures the hidden states' own ratio.
 """
 
@@ -50,7 +48,6 @@ LOSS_MASK_BYTES = 1
 # Measured ratio of bf16-zstd (high-byte plane through zstd-1, low byte raw) on activation-like
 # bf16 data with per-channel scales and outlier channels: 1.43-1.47x (shared/research.md).
 # The low byte is stored raw, so no data beats 2x.
-# fp8-e4m3's size is exact (one byte per value, four per token): its entry is only nominal.
 DEFAULT_RATIOS: dict[str, float] = {"none": 1.0, "bf16-zstd": 1.45, "fp8-e4m3": 2.0}
 # What the run writes besides shards and commit records (plan.json's settings, manifest.json's
 # totals): a few hundred bytes, plus per-shard lines in the manifest.
@@ -60,8 +57,7 @@ PER_SHARD_MANIFEST_BYTES = 256
 PER_QUARANTINED_BYTES = 160
 # Shard headers are laid out for this many samples; beyond, their size is scaled.
 _SIMULATE_SAMPLES = 20_000
-# What a compression ratio was measured on: hidden-state tensors alone (the default ratios, the
-# compression benchmark), or whole shards (a trial run's manifest.json compression.ratio).
+# What a ratio was measured on: hidden states alone (defaults, benchmark) or whole shards (a trial).
 RatioBasis = Literal["hidden", "shards"]
 
 
@@ -131,10 +127,8 @@ def _check_ratio(compression: str, ratio: float | None) -> float:
     assumed = DEFAULT_RATIOS[compression] if ratio is None else float(ratio)
     if compression == "none" and assumed != 1.0:
         raise EstimateError("compression none stores raw bf16: its ratio is 1")
-    if not 1.0 <= assumed <= 2.0:
-        raise EstimateError(
-            f"a bf16-zstd ratio must lie in [1, 2] (the low byte is stored raw), got {assumed}"
-        )
+    if not 1.0 <= assumed <= 2.0:  # bf16-zstd stores the low byte raw; fp8 halves bf16 at best
+        raise EstimateError(f"a {compression} ratio must lie in [1, 2], got {assumed}")
     return assumed
 
 

@@ -36,6 +36,8 @@ from hsx_extractor.protocol import DumpMeta, ProtocolError
 
 PRODUCER = "hsx-reference"
 FAULT_KINDS = ("swap", "drop", "truncate", "add_bos", "nan", "error", "drop_response")
+# Capture faults: a well-formed dump whose final state is not the one the model predicts from.
+CAPTURE_FAULTS = ("prenorm", "wrong_layer", "partial_sum")
 
 
 # ---- test hooks: deliberate misbehaviour --------------------------------------------------------
@@ -53,6 +55,10 @@ class FaultPlan:
     * nan: one value is NaN    * error: an error marker instead of data
     * drop_response: the dump is written, then the connection is cut instead of answering (a
       response lost on the way: the client cannot know the request ran)
+    * prenorm: the final state before the final norm, labelled (as always) post-norm
+    * wrong_layer: the final norm applied to the last decoder layer's *input* (one layer short)
+    * partial_sum: the last layer's output as half of a tensor-parallel sum, then the final norm
+    (the logprobs the server answers are the model's true ones in every case)
     """
 
     kind: str | None = None
@@ -60,8 +66,8 @@ class FaultPlan:
     first_attempt_only: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind is not None and self.kind not in FAULT_KINDS:
-            raise ValueError(f"unknown fault {self.kind!r}; choose from {', '.join(FAULT_KINDS)}")
+        if self.kind is not None and self.kind not in FAULT_KINDS + CAPTURE_FAULTS:
+            raise ValueError(f"unknown fault {self.kind!r}; choose from {', '.join(FAULT_KINDS + CAPTURE_FAULTS)}")
         if self.every < 1:
             raise ValueError("fault every must be >= 1")
 
@@ -133,16 +139,48 @@ class ReferenceModel:
             "producer": PRODUCER,
         }
 
-    def forward(self, input_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, int]:
-        """``(aux bf16 bits [L, K*H], final bf16 bits [L, H], next token)`` for one prompt."""
+    def forward(self, input_ids: Sequence[int], capture_fault: str | None = None) -> Forward:
+        """One prompt's capture (``capture_fault``: one of CAPTURE_FAULTS, spoiling the final state)."""
         torch = self._torch
-        with torch.inference_mode():
-            out = self.model(torch.tensor([list(input_ids)], dtype=torch.long), output_hidden_states=True)
-        states = out.hidden_states
+        norm = self.model.get_decoder().norm
+        seen: list[Any] = []
+        handle = norm.register_forward_hook(lambda _m, args, _out: seen.append(args[0]))
+        try:
+            with torch.inference_mode():
+                out = self.model(torch.tensor([list(input_ids)], dtype=torch.long), output_hidden_states=True)
+                states = out.hidden_states
+                final = states[-1][0]
+                if capture_fault == "prenorm":
+                    final = seen[-1][0]
+                elif capture_fault == "wrong_layer":
+                    final = norm(states[-2])[0]
+                elif capture_fault == "partial_sum":
+                    final = norm(states[-2] + 0.5 * (seen[-1] - states[-2]))[0]
+                logprobs = torch.log_softmax(out.logits[0].float(), dim=-1).numpy()
+        finally:
+            handle.remove()
         aux = torch.cat([states[j][0] for j in self.capture_layers], dim=-1)
-        final = states[-1][0]
-        next_token = int(out.logits[0, -1].argmax())
-        return _bf16_bits(aux), _bf16_bits(final), next_token
+        return Forward(_bf16_bits(aux), _bf16_bits(final), int(out.logits[0, -1].argmax()), logprobs)
+
+
+@dataclass(frozen=True)
+class Forward:
+    aux: np.ndarray  # bf16 bits [L, K*H]
+    final: np.ndarray  # bf16 bits [L, H]
+    next_token: int
+    logprobs: np.ndarray  # float32 [L, vocab]: row p is the distribution of token p + 1
+
+
+def input_top_logprobs(logprobs: np.ndarray, start: int, k: int) -> list[list[list[Any]] | None]:
+    """SGLang's ``meta_info.input_top_logprobs`` (pure): one entry per prompt token from ``start``,
+    entry j the top-k of token start + j as ``[logprob, id, null]`` from the state before it, entry
+    0 null (SGLang gives no logprob for the first token asked for)."""
+    out: list[list[list[Any]] | None] = [None]
+    for p in range(start, logprobs.shape[0] - 1):
+        row = logprobs[p]
+        top = np.argsort(-row, kind="stable")[:k]
+        out.append([[float(row[t]), int(t), None] for t in top])
+    return out
 
 
 def _bf16_bits(t: Any) -> np.ndarray:
@@ -216,7 +254,7 @@ class ReferenceServer:
         parsed = self._parse(body)
         if isinstance(parsed, web.Response):
             return parsed
-        rid, ids = parsed
+        rid, ids, logprob_ask = parsed
         self._seen.add(rid)
         self.stats.requests += 1
         arrival = self.stats.requests
@@ -228,28 +266,26 @@ class ReferenceServer:
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             loop = asyncio.get_running_loop()
-            next_token, kind = await loop.run_in_executor(self._worker, self._serve_one, rid, ids, arrival)
+            ran, kind = await loop.run_in_executor(self._worker, self._serve_one, rid, ids, arrival)
         finally:
             self._in_flight -= 1
             self.stats.in_flight = self._in_flight
         if kind == "drop_response" and request.transport is not None:
             request.transport.abort()  # the dump is there; the answer never arrives
             raise web.HTTPInternalServerError()  # not sent: the connection is gone
-        return web.json_response(
-            {
-                "text": "",
-                "output_ids": [next_token],
-                "meta_info": {
-                    "id": rid,
-                    "prompt_tokens": len(ids),
-                    "completion_tokens": 1,
-                    "cached_tokens": 0,
-                    "finish_reason": {"type": "length", "length": 1},
-                },
-            }
-        )
+        meta: dict[str, Any] = {
+            "id": rid,
+            "prompt_tokens": len(ids),
+            "completion_tokens": 1,
+            "cached_tokens": 0,
+            "finish_reason": {"type": "length", "length": 1},
+        }
+        if logprob_ask is not None:
+            start, k = logprob_ask
+            meta["input_top_logprobs"] = input_top_logprobs(ran.logprobs, start, k) if k else None
+        return web.json_response({"text": "", "output_ids": [ran.next_token], "meta_info": meta})
 
-    def _parse(self, body: Any) -> tuple[str, list[int]] | web.Response:
+    def _parse(self, body: Any) -> tuple[str, list[int], tuple[int, int] | None] | web.Response:
         if not isinstance(body, dict):
             return _error(400, "body must be a JSON object")
         if "input_ids" not in body:
@@ -273,9 +309,12 @@ class ReferenceServer:
             return _error(
                 400, "return_hidden_states must be true: SGLang writes no dump for this request otherwise"
             )
-        return rid, ids
+        logprobs = _logprob_ask(body, len(ids))
+        if isinstance(logprobs, web.Response):
+            return logprobs
+        return rid, ids, logprobs
 
-    def _serve_one(self, rid: str, ids: list[int], arrival: int) -> tuple[int, str | None]:
+    def _serve_one(self, rid: str, ids: list[int], arrival: int) -> tuple[Forward, str | None]:
         faulted = self.fault.applies(rid, arrival)
         kind = self.fault.kind if faulted else None
         if faulted:
@@ -283,7 +322,8 @@ class ReferenceServer:
         ran = ids
         if kind == "add_bos":
             ran = [self.model.bos_token_id or 0, *ids]
-        aux, final, next_token = self.model.forward(ran)
+        result = self.model.forward(ran, kind if kind in CAPTURE_FAULTS else None)
+        aux, final = result.aux, result.final
         meta = DumpMeta(rid, len(ran), self.model.hidden_size, tuple(self.model.capture_layers), PRODUCER)
         ran_ids = np.asarray(ran, dtype=np.int32)
         current = (meta, ran_ids, aux, final)
@@ -308,18 +348,31 @@ class ReferenceServer:
         else:
             protocol.write_dump(self.dump_dir, meta, ran_ids, aux, final)
         self._previous = current
-        return next_token, kind
+        return result, kind
 
     def _reversed(self, rid: str, ids: list[int]) -> tuple[DumpMeta, np.ndarray, np.ndarray, np.ndarray]:
         # The first request has no predecessor to swap with: use the dump of its ids reversed.
         other = list(reversed(ids))
-        aux, final, _ = self.model.forward(other)
+        ran = self.model.forward(other)
+        aux, final = ran.aux, ran.final
         meta = DumpMeta(rid, len(other), self.model.hidden_size, tuple(self.model.capture_layers), PRODUCER)
         return meta, np.asarray(other, dtype=np.int32), aux, final
 
 
 def _meta_tail(meta: DumpMeta) -> tuple[int, int, tuple[int, ...], str]:
     return meta.seq_len, meta.hidden_size, meta.capture_layers, meta.producer
+
+
+def _logprob_ask(body: dict[str, Any], length: int) -> tuple[int, int] | web.Response | None:
+    """SGLang's input-logprob request fields: ``(start, top k)`` or None (not asked)."""
+    if not body.get("return_logprob"):
+        return None
+    start, k = body.get("logprob_start_len", -1), body.get("top_logprobs_num", 0)
+    if not isinstance(start, int) or not isinstance(k, int) or k < 0 or start < -1:
+        return _error(400, "logprob_start_len and top_logprobs_num must be integers (>= -1, >= 0)")
+    if start > length:
+        return _error(400, f"logprob_start_len={start} is higher than the number of input tokens {length}")
+    return (length if start == -1 else start), k
 
 
 def _error(status: int, message: str) -> web.Response:

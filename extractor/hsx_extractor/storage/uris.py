@@ -1,0 +1,87 @@
+"""Reading inputs that are not a run's own objects: a dataset file or object, local or ``s3://``,
+as lines, chunks, random access (Parquet) or a stat that tells whether it was rewritten."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from hsx_extractor.storage.backends import LocalBackend, ObjectSource, PermanentStoreError
+from hsx_extractor.storage.s3_client import S3Endpoint
+
+
+def _s3_object(uri: str, where: S3Endpoint | None) -> tuple[Any, str]:
+    from hsx_extractor.storage.s3 import S3Backend, split_object_uri
+    from hsx_extractor.storage.s3_client import S3Endpoint, S3TransferConfig, make_client
+
+    bucket, key = split_object_uri(uri)
+    config = S3TransferConfig()
+    client = make_client(where or S3Endpoint(), config)
+    return S3Backend(client, bucket, config, ""), key
+
+
+def _local_path(uri: str) -> str:
+    return uri[len("file://") :] if uri.startswith("file://") else uri
+
+
+def uri_stat(uri: str, where: S3Endpoint | None = None) -> dict[str, Any]:
+    """What changes when a file or object is rewritten: size and ETag (S3) or size and mtime (local)."""
+    if uri.startswith("s3://"):
+        backend, key = _s3_object(uri, where)
+        return backend.stat(key)  # type: ignore[no-any-return]
+    st = os.stat(_local_path(uri))
+    return {"size": st.st_size, "mtimeNs": st.st_mtime_ns}
+
+
+def open_uri_lines(uri: str, where: S3Endpoint | None = None) -> Iterator[bytes]:
+    """Lines (with their newline) of a local file, ``file://`` or ``s3://bucket/key`` object.
+
+    For ``s3://``, ``where`` names the store (endpoint, region, path style, credentials);
+    without it the AWS defaults apply.
+    """
+    if uri.startswith("s3://"):
+        backend, key = _s3_object(uri, where)
+        yield from backend.iter_lines(key)
+        return
+    with open(_local_path(uri), "rb") as f:
+        yield from f
+
+
+def open_uri_chunks(uri: str, where: S3Endpoint | None = None, chunk_size: int = 8 << 20) -> Iterator[bytes]:
+    """The bytes of a local file or ``s3://`` object, front to back in chunks (ranged reads on S3)."""
+    if uri.startswith("s3://"):
+        backend, key = _s3_object(uri, where)
+        yield from backend.iter_object(key, chunk_size)
+        return
+    with open(_local_path(uri), "rb") as f:
+        while chunk := f.read(chunk_size):
+            yield chunk
+
+
+class _ObjectRanges:
+    """Random access to one object: its size and ranged reads (an ObjectSource)."""
+
+    def __init__(self, backend: Any, key: str, description: str) -> None:
+        self._backend, self._key = backend, key
+        size = backend.size(key)
+        if size is None:
+            raise PermanentStoreError(f"{description} does not exist")
+        self._size = int(size)
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        return bytes(self._backend.get_range(self._key, offset, length))
+
+
+def open_uri_source(uri: str, where: S3Endpoint | None = None) -> ObjectSource:
+    """Random access (size, ranged reads) to a local file or ``s3://`` object, e.g. for Parquet."""
+    if uri.startswith("s3://"):
+        backend, key = _s3_object(uri, where)
+        return _ObjectRanges(backend, key, uri)
+    path = Path(_local_path(uri))
+    return _ObjectRanges(LocalBackend(path.parent), path.name, uri)
