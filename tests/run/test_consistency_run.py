@@ -42,7 +42,7 @@ def test_a_correct_capture_passes_and_the_record_says_what_was_checked(tmp_path:
     report = progress.report()
     assert report.consistencyChecked == 3 * len(records) and report.consistencyFailed == 0
     manifest = result.manifest
-    assert manifest["run"]["consistency"]["finalState"] == "post-norm"
+    assert manifest["capture"]["finalState"] == "post-norm" and manifest["run"]["consistency"]["topK"] == 5
     assert all("consistency" in s and "layerNorms" in s for s in manifest["shards"])
     # The tiny model's final norm has unit weights: the final state's token norm is about sqrt(H).
     final = records[0].layer_norms["final"]
