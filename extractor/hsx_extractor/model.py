@@ -20,6 +20,11 @@ The model's forward loop tests ``i in layers_to_capture`` while walking the laye
 come out in ascending layer order with repeats collapsed, whatever order the ids were given in;
 nothing follows the last layer, so its output cannot be captured (gpt-oss and MiniMax-M3 also
 capture after it).
+
+vLLM 0.32 (``extract_hidden_states``, each model's ``_maybe_add_hidden_state`` calls) numbers the
+other way round: its id ``k`` is the residual stream after ``k`` decoder layers, which is hsx's
+capture layer ``k``; id ``N`` (the layer count) is the state after the last layer, before the final
+norm. :func:`vllm_layer_ids` and :func:`capture_layers_from_vllm_ids` are the one mapping.
 """
 
 from __future__ import annotations
@@ -76,6 +81,25 @@ def capture_layers(architecture: str, num_layers: int, layer_ids: Sequence[int] 
                 f"layers can only be captured up to the input of layer {last}"
             )
     return sorted(shifted)
+
+
+def vllm_layer_ids(capture_layers: Sequence[int], num_layers: int) -> list[int]:
+    """vLLM's ``eagle_aux_hidden_state_layer_ids`` for hsx's capture layers: the same numbers (vLLM's
+    id k is the input of layer k), ascending, then ``num_layers`` for the (pre-norm) final state."""
+    layers = sorted({int(j) for j in capture_layers})
+    if not layers or layers[0] < 0 or layers[-1] >= num_layers:
+        raise ValueError(f"capture layers {list(capture_layers)} must be inputs of the model's {num_layers} layers")
+    return [*layers, num_layers]
+
+
+def capture_layers_from_vllm_ids(ids: Sequence[int], num_layers: int) -> list[int]:
+    """Inverse of :func:`vllm_layer_ids`: hsx's capture layers from the ids vLLM was started with."""
+    ids = [int(i) for i in ids]
+    if len(ids) < 2 or ids[-1] != num_layers or vllm_layer_ids(ids[:-1], num_layers) != ids:
+        raise ValueError(
+            f"vLLM layer ids {ids} are not hsx's: ascending layer inputs, then {num_layers} for the final state"
+        )
+    return ids[:-1]
 
 
 class ModelConfigError(ValueError):

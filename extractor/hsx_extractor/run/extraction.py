@@ -187,7 +187,7 @@ class Extraction:
             print(f"hsx: removed {stale} dumps left by dead processes or runs in {cfg.dumpDir}", flush=True)
         connector = aiohttp.TCPConnector(limit=cfg.concurrency + 4)
         async with aiohttp.ClientSession(connector=connector) as session:
-            client = ServerClient(cfg.serverUrl, session, cfg.concurrency)
+            client = ServerClient(cfg.serverUrl, session, cfg.concurrency, engine=cfg.engine)
             self.progress.watch_in_flight(lambda: client.in_flight)
             await client.wait_healthy(SERVER_START_TIMEOUT_S)
             shape = model_shape(await client.model_info(), cfg.modelPath, cfg.auxLayerIds)

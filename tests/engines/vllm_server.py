@@ -1,0 +1,57 @@
+"""One real vLLM server process on CPU, launched the way the operator launches it.
+
+The argv is ``hsx_extractor.vllm_hook.launch.server_args(...)`` (the operator's launcher, given the
+capture layers hsx_extractor.model derives from the spec's layer ids) with ``python3`` replaced by
+the vLLM venv's python and the CPU flags below as extra args; the environment is ``server_env(...)``
+plus vLLM's CPU settings (vllm_venv.CPU_ENV). The process lifecycle is SGLangServer's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hsx_extractor.model import capture_layers, model_dims, read_model_config
+from hsx_extractor.vllm_hook.launch import server_args, server_env
+from tests.engines.sglang_server import SGLangServer
+from tests.engines.vllm_venv import process_env, venv_python
+
+# What vLLM needs to serve the tiny model on CPU: float32 so captures compare with transformers
+# tightly; eager mode, since compiling the graphs costs minutes on 2 cores and is not what is tested.
+CPU_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-num-seqs", "16")
+CONTEXT_LENGTH = 512
+START_TIMEOUT_S = 420.0
+
+
+@dataclass
+class VLLMServer(SGLangServer):
+    """A vLLM server; ``layer_ids`` are the spec's (hsx's) ids, as for SGLang."""
+
+    engine_name = "vLLM"
+
+    def capture_layers(self) -> list[int]:
+        dims = model_dims(read_model_config(self.model))
+        return capture_layers(dims.architecture, dims.num_layers, self.layer_ids)
+
+    def argv(self) -> list[str]:
+        dims = model_dims(read_model_config(self.model))
+        argv = server_args(
+            str(self.model),
+            1,
+            self.port,
+            self.capture_layers(),
+            dims.num_layers,
+            [*CPU_ARGS, *self.extra_args],
+            chunked_prefill_size=self.chunked_prefill_size,
+            context_length=CONTEXT_LENGTH,
+        )
+        if argv[0] != "python3":
+            raise AssertionError(f"server_args no longer starts with python3: {argv[:3]}")
+        return [str(venv_python()), *argv[1:]]
+
+    def env(self) -> dict[str, str]:
+        assert self.dump_dir is not None
+        return process_env(self.hsx_dir, {"HF_HUB_OFFLINE": "1", **server_env(str(self.dump_dir))})
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> VLLMServer:
+        super().start(timeout)
+        return self
