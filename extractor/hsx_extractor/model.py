@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hsx_extractor.protocol import FINAL_POST_NORM, FINAL_PRE_NORM
+
 # Architectures (HF ``architectures[0]``) whose capture setter takes the DeepSeek rule.
 DEEPSEEK_STYLE = frozenset(
     {
@@ -81,6 +83,11 @@ def capture_layers(architecture: str, num_layers: int, layer_ids: Sequence[int] 
                 f"layers can only be captured up to the input of layer {last}"
             )
     return sorted(shifted)
+
+
+# What each engine's dumps hold as the final state (protocol.FINAL_STATE_KEY): SGLang's hook takes the
+# model's output after the final norm; vLLM's extract_hidden_states can only capture before it.
+ENGINE_FINAL_STATE = {"sglang": FINAL_POST_NORM, "vllm": FINAL_PRE_NORM}
 
 
 def vllm_layer_ids(capture_layers: Sequence[int], num_layers: int) -> list[int]:
@@ -154,6 +161,7 @@ class ModelShape:
     vocab_size: int | None
     architecture: str | None
     model_path: str | None
+    final_state: str = FINAL_POST_NORM  # protocol.FINAL_POST_NORM or FINAL_PRE_NORM
 
 
 def _config_if_any(model_path: str | None) -> dict[str, Any]:
@@ -163,7 +171,10 @@ def _config_if_any(model_path: str | None) -> dict[str, Any]:
 
 
 def model_shape(
-    info: Mapping[str, Any], model_path: str | None, aux_layer_ids: Sequence[int] | None = None
+    info: Mapping[str, Any],
+    model_path: str | None,
+    aux_layer_ids: Sequence[int] | None = None,
+    engine: str = "sglang",
 ) -> ModelShape:
     """Shape from the server's /get_model_info, falling back to the model's config.json (SGLang reports less).
 
@@ -194,6 +205,7 @@ def model_shape(
         int(vocab) if vocab else None,
         arch,
         info.get("model_path") or model_path,
+        ENGINE_FINAL_STATE[engine],
     )
 
 

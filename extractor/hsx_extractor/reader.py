@@ -24,6 +24,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from hsx_extractor.config import OutputSpec
+from hsx_extractor.protocol import FINAL_POST_NORM
 from hsx_extractor.storage.backends import PermanentStoreError
 from hsx_extractor.storage.commit_record import ShardCommit
 from hsx_extractor.storage.layout import MANIFEST_NAME, split_run_uri
@@ -51,7 +52,12 @@ class OutputReader:
             else OutputSpec.model_validate({"uri": output_uri})
         )
         store = self._open()
-        if require_manifest and store.get_json(MANIFEST_NAME) is None:
+        manifest = store.get_json(MANIFEST_NAME)
+        run = manifest.get("run") if isinstance(manifest, dict) else None
+        # What hidden_state holds: the state after the model's final norm (SGLang; runs before the
+        # key existed) or before it (vLLM). See protocol.FINAL_STATE_KEY.
+        self.final_state = str((run or {}).get("finalState", FINAL_POST_NORM))
+        if require_manifest and manifest is None:
             raise PermanentStoreError(
                 f"{uri} has no manifest.json: the run is not finished (pass require_manifest=False to read "
                 "the shards committed so far)"

@@ -57,6 +57,7 @@ def free_port() -> int:
 class SGLangServer:
     """``start()`` it, use ``url``, ``stop()`` or ``kill()`` it; ``start()`` again restarts it."""
 
+    engine = "sglang"  # ExtractConfig.engine
     engine_name = "SGLang"  # in error messages (vllm_server.VLLMServer reuses the lifecycle)
 
     model: Path

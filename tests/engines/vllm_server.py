@@ -26,6 +26,7 @@ START_TIMEOUT_S = 420.0
 class VLLMServer(SGLangServer):
     """A vLLM server; ``layer_ids`` are the spec's (hsx's) ids, as for SGLang."""
 
+    engine = "vllm"
     engine_name = "vLLM"
 
     def capture_layers(self) -> list[int]:

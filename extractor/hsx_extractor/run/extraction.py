@@ -103,6 +103,8 @@ class Extraction:
             "hiddenSize": shape.hidden_size,
             "captureLayers": list(shape.capture_layers),
             "model": model_fingerprint(self.cfg.modelPath),
+            # Only when not the default, so plans written before the key existed still resume.
+            **({"finalState": shape.final_state} if shape.final_state != protocol.FINAL_POST_NORM else {}),
         }
 
     def compute_plan(self, tok: ChatTokenizer, shape: ModelShape) -> ShardPlan:
@@ -190,7 +192,7 @@ class Extraction:
             client = ServerClient(cfg.serverUrl, session, cfg.concurrency, engine=cfg.engine)
             self.progress.watch_in_flight(lambda: client.in_flight)
             await client.wait_healthy(SERVER_START_TIMEOUT_S)
-            shape = model_shape(await client.model_info(), cfg.modelPath, cfg.auxLayerIds)
+            shape = model_shape(await client.model_info(), cfg.modelPath, cfg.auxLayerIds, cfg.engine)
             check_vocab(shape, tok.vocab_size, cfg.modelPath)
             plan = await self.load_plan(store, tok, shape)
             mine = replica_shards(len(plan.shards), cfg.replicaIndex, cfg.replicaCount)
@@ -230,6 +232,7 @@ class Extraction:
             "architecture": shape.architecture,
             "hiddenSize": shape.hidden_size,
             "captureLayers": list(shape.capture_layers),
+            "finalState": shape.final_state,
             "dataset": self.cfg.dataset.uri,
             "rows": plan.rows,
             "maxLength": self.cfg.dataset.maxLength,

@@ -79,15 +79,21 @@ def rows_of(cache: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch
 
 
 class HsxDumpConnector(KVConnectorBase_V1, SupportsHMA):
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         dump_dir = os.environ.get(protocol.DUMP_DIR_ENV)
         if not dump_dir:
-            raise RuntimeError(f"{protocol.DUMP_DIR_ENV} is not set: the connector has nowhere to write dumps")
+            raise RuntimeError(
+                f"{protocol.DUMP_DIR_ENV} is not set: the connector has nowhere to write dumps"
+            )
         self.dump_dir = protocol.make_dump_dir(dump_dir)
         spec = vllm_config.speculative_config
         if spec is None or spec.draft_model_config is None:
-            raise RuntimeError("HsxDumpConnector needs --speculative-config with method extract_hidden_states")
+            raise RuntimeError(
+                "HsxDumpConnector needs --speculative-config with method extract_hidden_states"
+            )
         ids = list(getattr(spec.draft_model_config.hf_config, "eagle_aux_hidden_state_layer_ids", []) or [])
         text = vllm_config.model_config.hf_text_config
         self.capture_layers = tuple(capture_layers_from_vllm_ids(ids, int(text.num_hidden_layers)))
@@ -126,7 +132,9 @@ class HsxDumpConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side ----
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return 0, False  # store-only
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
@@ -170,7 +178,9 @@ class HsxDumpConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
 
         self._writer_rank = get_tensor_model_parallel_rank() == 0
-        layers = list(get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches)))
+        layers = list(
+            get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches))
+        )
         if len(layers) != 1:
             raise RuntimeError(f"expected one hidden-state cache layer, found {layers}")
         self._cache = kv_caches[layers[0]]
@@ -185,7 +195,9 @@ class HsxDumpConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return None  # the forward already cached the states; they are read when the request finishes
 
     def wait_for_save(self) -> None:

@@ -19,7 +19,8 @@ VLLM_BASE_IMAGE = f"vllm/vllm-openai:v{VLLM_VERSION}"
 PRODUCER = f"hsx-vllm-connector/vllm-{VLLM_VERSION}"
 CONNECTOR_MODULE = "hsx_extractor.vllm_hook.connector"
 CONNECTOR_CLASS = "HsxDumpConnector"
-RID_PARAM = VLLM_RID_PARAM# What the dump's hidden_states holds: vLLM's state after the last layer, before the final norm.
+RID_PARAM = VLLM_RID_PARAM
+# What the dump's hidden_states holds: vLLM's state after the last layer, before the final norm.
 FINAL_STATE = FINAL_PRE_NORM
 
 # Flags the operator must not let users override (vLLM's argparse also takes unambiguous prefixes).
