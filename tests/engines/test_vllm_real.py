@@ -63,7 +63,9 @@ def completion(server: VLLMServer, ids: list[int], rid: str | None, header: str 
 def test_dump_is_named_by_the_rid_hsx_sent(vllm_server: VLLMServer, vllm_hf_model: Any) -> None:
     """vLLM rewrites request ids; the dump's name and meta are hsx's rid from kv_transfer_params,
     whatever X-Request-Id says. A plain request (no rid) leaves no dump."""
-    assert vllm_server.argv()[1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"]
+    assert vllm_server.argv()[1:4] == ["-m", "hsx_extractor.vllm_hook", "serve"]
+    exec_line = f"exec {' '.join(vllm_server.vllm_argv())}"
+    assert exec_line in vllm_server.log_text(), "the launcher did not exec the expected vLLM command"
     dump_dir = vllm_server.dump_dir
     assert dump_dir is not None
     ids = np.random.default_rng(21).integers(5, 512, 77).tolist()
@@ -144,7 +146,7 @@ def test_chunked_prefill_server_killed_and_restarted(
     SIGKILL the whole server mid-run, restart it with the same argv, rerun `hsx extract`: it resumes
     from the committed shards and every sample matches transformers."""
     server = vllm_server_factory("chunked", chunked_prefill_size=64, layer_ids=CHUNKED_LAYER_IDS)
-    assert '"eagle_aux_hidden_state_layer_ids":[1,4,6,8]' in " ".join(server.argv())
+    assert '"eagle_aux_hidden_state_layer_ids":[1,4,6,8]' in " ".join(server.vllm_argv())
     rng = np.random.default_rng(3)
     lengths = [int(x) for x in rng.integers(1, 401, 64)] + [1, 64, 65, 128, 129, 400]
     rows = interleave(token_rows(lengths, seed=4, prefix="k") + chat_rows(4, prefix="kc"), seed=5)
@@ -182,6 +184,6 @@ def test_chunked_prefill_server_killed_and_restarted(
     print(f"killed at {seen['samplesDone']}/{seen['samplesTotal']}; max abs error {worst}")
     # Chunked prefill ran: vLLM takes at most --max-num-batched-tokens (64) tokens a step, and
     # samples were longer, so their rows came from several forwards.
-    argv = server.argv()
+    argv = server.vllm_argv()
     assert argv[argv.index("--max-num-batched-tokens") + 1] == "64" and "--enable-chunked-prefill" in argv
     assert max(lengths) > 64

@@ -1,8 +1,8 @@
 """One real vLLM server process on CPU, launched the way the operator launches it.
 
-The argv is ``hsx_extractor.vllm_hook.launch.server_args(...)`` (the operator's launcher, given the
-capture layers hsx_extractor.model derives from the spec's layer ids) with ``python3`` replaced by
-the vLLM venv's python and the CPU flags below as extra args; the environment is ``server_env(...)``
+The argv is ``hsx_extractor.vllm_hook.launch.launcher_args(...)`` (the operator's command: hsx's
+launcher, which reads the model's config and execs vLLM's server) with ``python3`` replaced by the
+vLLM venv's python and the CPU flags below as extra args; the environment is ``server_env(...)``
 plus vLLM's CPU settings (vllm_venv.CPU_ENV). The process lifecycle is SGLangServer's.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hsx_extractor.model import capture_layers, model_dims, read_model_config
-from hsx_extractor.vllm_hook.launch import server_args, server_env
+from hsx_extractor.vllm_hook.launch import launcher_args, server_args, server_env
 from tests.engines.sglang_server import SGLangServer
 from tests.engines.vllm_venv import process_env, venv_python
 
@@ -34,20 +34,26 @@ class VLLMServer(SGLangServer):
         return capture_layers(dims.architecture, dims.num_layers, self.layer_ids)
 
     def argv(self) -> list[str]:
-        dims = model_dims(read_model_config(self.model))
-        argv = server_args(
+        """The operator's command (hsx's launcher, which execs vLLM's server with the venv's python3)."""
+        argv = launcher_args(
             str(self.model),
             1,
             self.port,
-            self.capture_layers(),
-            dims.num_layers,
+            self.layer_ids,
             [*CPU_ARGS, *self.extra_args],
             chunked_prefill_size=self.chunked_prefill_size,
             context_length=CONTEXT_LENGTH,
         )
         if argv[0] != "python3":
-            raise AssertionError(f"server_args no longer starts with python3: {argv[:3]}")
+            raise AssertionError(f"launcher_args no longer starts with python3: {argv[:3]}")
         return [str(venv_python()), *argv[1:]]
+
+    def vllm_argv(self) -> list[str]:
+        """What the launcher execs (its own log line says the same)."""
+        dims = model_dims(read_model_config(self.model))
+        return server_args(str(self.model), 1, self.port, self.capture_layers(), dims.num_layers,
+                           [*CPU_ARGS, *self.extra_args], chunked_prefill_size=self.chunked_prefill_size,
+                           context_length=CONTEXT_LENGTH)  # fmt: skip
 
     def env(self) -> dict[str, str]:
         assert self.dump_dir is not None

@@ -74,24 +74,14 @@ def server_args(
     chunked_prefill_size: int = -1,
     context_length: int | None = None,
 ) -> list[str]:
-    """The argv that starts vLLM's OpenAI server in extraction mode.
+    """The argv that starts vLLM's OpenAI server in extraction mode (run by :mod:`.__main__`).
 
     ``capture_layers`` are hsx's (layer inputs, hsx_extractor.model); vLLM's own ids follow from them
-    and the layer count there. ``chunked_prefill_size`` -1 runs each prompt in one forward
-    (``--max-num-batched-tokens`` = the context length); positive chunks it.
+    and the layer count there. ``chunked_prefill_size`` -1 keeps vLLM's own step budget; positive
+    caps each step at that many tokens (longer prompts are chunked). Chunking is harmless here: the
+    connector reads a request's rows once the request has finished.
     """
-    if not model_path:
-        raise ValueError("model_path is empty")
-    if tp < 1:
-        raise ValueError(f"tp must be >= 1, got {tp}")
-    if not 0 < port < 65536:
-        raise ValueError(f"port {port} is not a TCP port")
-    if chunked_prefill_size == 0 or chunked_prefill_size < -1:
-        raise ValueError("chunked_prefill_size must be -1 (no chunking) or positive")
-    extra = [str(a) for a in extra_args]
-    problem = extra_args_problem(extra)
-    if problem:
-        raise ValueError(problem)
+    _check(model_path, tp, port, chunked_prefill_size, context_length, extra_args)
     speculative = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
@@ -116,14 +106,56 @@ def server_args(
         "--no-enable-prefix-caching",
     ]  # fmt: skip
     if context_length is not None:
-        if context_length < 1:
-            raise ValueError(f"context_length must be >= 1, got {context_length}")
         argv += ["--max-model-len", str(context_length)]
     if chunked_prefill_size > 0:
         argv += ["--enable-chunked-prefill", "--max-num-batched-tokens", str(chunked_prefill_size)]
-    elif context_length is not None:
-        argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(context_length)]
-    return argv + extra
+    return argv + [str(a) for a in extra_args]
+
+
+def _check(
+    model_path: str, tp: int, port: int, chunked_prefill_size: int, context_length: int | None,
+    extra_args: Sequence[str],
+) -> None:  # fmt: skip
+    if not model_path:
+        raise ValueError("model_path is empty")
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} is not a TCP port")
+    if chunked_prefill_size == 0 or chunked_prefill_size < -1:
+        raise ValueError("chunked_prefill_size must be -1 (vLLM's default) or positive")
+    if context_length is not None and context_length < 1:
+        raise ValueError(f"context_length must be >= 1, got {context_length}")
+    problem = extra_args_problem(extra_args)
+    if problem:
+        raise ValueError(problem)
+
+
+def launcher_args(
+    model_path: str,
+    tp: int,
+    port: int,
+    layer_ids: Sequence[int] | None = None,
+    extra_args: Sequence[str] = (),
+    *,
+    host: str = "127.0.0.1",
+    chunked_prefill_size: int = -1,
+    context_length: int | None = None,
+) -> list[str]:
+    """The server container's command: hsx's launcher (:mod:`.__main__`), which reads the model's
+    config.json where the model is (the operator cannot), derives the capture layers from the spec's
+    ``layer_ids`` as for SGLang (hsx_extractor.model.capture_layers) and execs :func:`server_args`."""
+    _check(model_path, tp, port, chunked_prefill_size, context_length, extra_args)
+    argv = [
+        "python3", "-m", "hsx_extractor.vllm_hook", "serve",
+        "--model", model_path, "--tp", str(tp), "--port", str(port), "--host", host,
+        "--chunked-prefill-size", str(chunked_prefill_size),
+    ]  # fmt: skip
+    if layer_ids:
+        argv += ["--layer-ids", ",".join(str(int(i)) for i in layer_ids)]
+    if context_length is not None:
+        argv += ["--context-length", str(context_length)]
+    return [*argv, "--", *[str(a) for a in extra_args]]
 
 
 def server_env(dump_dir: str) -> dict[str, str]:
