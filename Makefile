@@ -40,6 +40,7 @@ venv: $(VENV)/.installed
 test-tools: venv
 	bash tests/cluster/build.sh
 	bash tests/engines/build_sglang.sh
+	bash tests/engines/build_vllm.sh
 
 lint: venv
 	$(BIN)/ruff check .
