@@ -24,7 +24,8 @@ START_TIMEOUT_S = 420.0
 
 @dataclass
 class VLLMServer(SGLangServer):
-    """A vLLM server; ``layer_ids`` are the spec's (hsx's) ids, as for SGLang."""
+    """A vLLM server; ``layer_ids`` are the spec's (hsx's) ids, as for SGLang. ``hook=False`` starts
+    plain vLLM (no extraction flags, no connector, prefix caching still off): bench/engines.py's baseline."""
 
     engine = "vllm"
     engine_name = "vLLM"
@@ -35,6 +36,10 @@ class VLLMServer(SGLangServer):
 
     def argv(self) -> list[str]:
         """The operator's command (hsx's launcher, which execs vLLM's server with the venv's python3)."""
+        if not self.hook:
+            plain = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model), "--host", "127.0.0.1",
+                     "--port", str(self.port), "--no-enable-prefix-caching", "--max-model-len", str(CONTEXT_LENGTH)]  # fmt: skip
+            return [str(venv_python()), *plain, *CPU_ARGS, *self.extra_args]
         argv = launcher_args(
             str(self.model),
             1,
@@ -56,8 +61,11 @@ class VLLMServer(SGLangServer):
                            context_length=CONTEXT_LENGTH)  # fmt: skip
 
     def env(self) -> dict[str, str]:
-        assert self.dump_dir is not None
-        return process_env(self.hsx_dir, {"HF_HUB_OFFLINE": "1", **server_env(str(self.dump_dir))})
+        extra = {"HF_HUB_OFFLINE": "1"}
+        if self.hook:
+            assert self.dump_dir is not None
+            extra.update(server_env(str(self.dump_dir)))
+        return process_env(self.hsx_dir, extra)
 
     def start(self, timeout: float = START_TIMEOUT_S) -> VLLMServer:
         super().start(timeout)
