@@ -39,7 +39,7 @@ from tests.engines.runs import (
 from tests.engines.sglang_server import free_port
 from tests.engines.vllm_server import VLLMServer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 PRE = protocol.FINAL_PRE_NORM
 # The same capture layers as SGLang's for the same spec (model.capture_layers): no ids -> [2, 4, 5];

@@ -23,7 +23,7 @@ from tests.operator.conftest import OperatorProcess, wait_for
 from tests.operator.e2e import phase, verify
 from tests.operator.kube_helpers import Namespace, xj_manifest
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.vllm]
 
 VLLM_CPU_IMAGE = "hsx-test.local/hsx-vllm-cpu:0.32.0"
 
