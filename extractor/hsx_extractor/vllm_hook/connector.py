@@ -239,7 +239,8 @@ class HsxDumpConnector(KVConnectorBase_V1, SupportsHMA):
     def _copy_cuda(rows: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Untested here (no GPU in CI): bf16 on the device, then a side-stream copy into pinned memory."""
         stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        stream.wait_stream(torch.cuda.current_stream())  # the gather that made `rows` runs there
+        rows.record_stream(stream)  # so the allocator does not reuse its memory before the copy ran
         with torch.cuda.stream(stream):
             dev = rows.to(torch.bfloat16)
             host = torch.empty(dev.shape, dtype=torch.bfloat16, pin_memory=True)
