@@ -4,11 +4,13 @@
 #   docker build --target operator  -t ghcr.io/hsx-dev/hsx-operator:0.1.0  .
 #   docker build --target extractor -t ghcr.io/hsx-dev/hsx-extractor:0.1.0 .
 #   docker build --target sglang    -t ghcr.io/hsx-dev/hsx-sglang:0.1.0    .
+#   docker build --target vllm      -t ghcr.io/hsx-dev/hsx-vllm:0.1.0      .
 # Base tags are pinned; pin them by digest (name:tag@sha256:...) in a release pipeline.
 # SGLANG_IMAGE must carry the release in hsx_extractor/sglang_hook/launch.py (SGLANG_VERSION);
-# the sglang stage fails the build otherwise.
+# the sglang stage fails the build otherwise; likewise VLLM_IMAGE and vllm_hook/launch.py (VLLM_VERSION).
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.23
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 
 # ---- hsx as a wheel (the only stage that sees the source) -----------------------------------
 FROM ${PYTHON_IMAGE} AS wheel
@@ -51,3 +53,14 @@ RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     && python3 -m hsx_extractor.sglang_hook install-pth \
     && python3 -c "from hsx_extractor.sglang_hook.launch import SGLANG_VERSION as pin; from hsx_extractor.sglang_hook.bootstrap import installed_sglang_version as v; assert v() == pin, f'base image has sglang {v()}, hsx pins {pin}'" \
     && SGLANG_HS_DUMP_DIR=/tmp/hsx-check python3 -c "import sys; assert any(type(f).__name__ == 'HookFinder' for f in sys.meta_path), 'hook not active'"
+
+# ---- vllm: the official release plus hsx's KV connector and launcher -------------------------
+# Nothing is patched: vLLM loads the connector by module path when the operator's command
+# (python3 -m hsx_extractor.vllm_hook serve ...) starts it, so this image also serves normally.
+FROM ${VLLM_IMAGE} AS vllm
+# --no-deps: the connector needs torch and vLLM, which the image has; pip must never touch them.
+# Then: refuse a base image with another vLLM, and prove the connector imports against it.
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir --no-deps /wheels/hsx-0.1.0-py3-none-any.whl \
+    && python3 -c "from importlib.metadata import version as v; from hsx_extractor.vllm_hook.launch import VLLM_VERSION as pin; assert v('vllm') == pin, f'base image has vllm {v(\"vllm\")}, hsx pins {pin}'" \
+    && python3 -c "from hsx_extractor.vllm_hook.connector import HsxDumpConnector"

@@ -42,6 +42,7 @@ test-tools: venv
 	bash tests/cluster/build.sh
 	bash tests/engines/build_sglang.sh
 	bash tests/trainers/build_trainers.sh
+	bash tests/engines/build_vllm.sh
 
 lint: venv
 	$(BIN)/ruff check .

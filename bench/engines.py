@@ -1,6 +1,8 @@
 """Engines: what hsx's dump hook costs per request on the real SGLang server. CPU NUMBERS.
 
-    .venv/bin/python -m bench.engines [--rounds 9] [--requests 32] [--concurrency 8]
+    .venv/bin/python -m bench.engines [--engine sglang|vllm] [--rounds 9] [--requests 32] [--concurrency 8]
+
+``--engine vllm`` measures hsx's vLLM connector the same way (``run_vllm``).
 
 Real SGLang servers (the pinned release, the SGLang CPU venv of ``tests/engines/build_sglang.sh``,
 the tiny random Llama on CPU), started with the same argv (the operator's launcher plus CPU flags):
@@ -206,13 +208,126 @@ def run_engines(rounds: int = 9, requests: int = 32, concurrency: int = 8) -> di
         rmtree(work)
 
 
+def _vllm_round(server: Any, lengths: list[int], extract: bool, tag: str, concurrency: int) -> dict[str, Any]:
+    """One round of /v1/completions (one token); with ``extract`` each carries a rid and the round
+    ends when the last dump is on disk, as the extractor waits for it."""
+    import json
+    import urllib.request
+
+    from hsx_extractor import protocol
+
+    rng = np.random.default_rng(SEED)
+    prompts = [rng.integers(5, 512, n).tolist() for n in lengths]
+    rids = [f"bench-{tag}-{i}" for i in range(len(prompts))]
+    latencies: list[float] = []
+
+    def send(i: int) -> None:
+        body: dict[str, Any] = {"prompt": prompts[i], "max_tokens": 1, "temperature": 0}
+        if extract:
+            body["kv_transfer_params"] = {protocol.VLLM_RID_PARAM: rids[i]}
+        req = urllib.request.Request(f"{server.url}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        t = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=300) as r:
+            r.read()
+        latencies.append(time.perf_counter() - t)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(send, range(len(prompts))))
+    if extract:
+        wanted = [protocol.dump_path(server.dump_dir, rid) for rid in rids]
+        deadline = time.monotonic() + 120
+        while not all(p.exists() for p in wanted):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"dumps missing after 120 s in {server.dump_dir}")
+            time.sleep(0.002)
+    seconds = time.perf_counter() - t0
+    if extract:
+        for p in server.dump_dir.iterdir():
+            p.unlink()
+    return {"seconds": seconds, "p50_latency_s": statistics.median(latencies)}
+
+
+def run_vllm(rounds: int = 9, requests: int = 32, concurrency: int = 8) -> dict[str, Any]:
+    """vLLM: the extraction-mode server (hsx's launcher, extract_hidden_states + hsx's connector) sent
+    extraction requests (with a rid: a dump each) and plain ones (no rid), against plain vLLM (no
+    extraction flags) sent plain requests. No control server (each vLLM holds ~4 GB here)."""
+    from hsx_extractor.tools.tinymodel import TinyModelSpec, build_tiny_model
+    from tests.engines import vllm_venv
+    from tests.engines.vllm_server import CPU_ARGS, VLLMServer
+
+    if not vllm_venv.is_built():
+        raise SystemExit(f"the vLLM CPU venv is not built at {vllm_venv.venv_dir()}: run bash tests/engines/build_vllm.sh")
+    lengths = [int(n) for n in np.random.default_rng(SEED).integers(16, 401, requests)]
+    work = scratch("engines-vllm")
+    print(f"engines (CPU, vLLM): {requests} requests of 16..400 tokens, {concurrency} in flight, {rounds} rounds")
+    servers: dict[str, Any] = {}
+    try:
+        model = build_tiny_model(work / "model", TinyModelSpec(num_heads=2, num_kv_heads=1))
+        hsx = vllm_venv.install_hsx(Path(tempfile.mkdtemp(dir=work, prefix="hsx-")) / "site")
+        servers["connector"] = VLLMServer(model, hsx, work / "vllm-connector").start()
+        servers["plain vllm"] = VLLMServer(model, hsx, work / "vllm-plain", hook=False).start()
+        pairs = [("connector", True), ("connector", False), ("plain vllm", False)]
+        samples: dict[tuple[str, bool], list[dict[str, Any]]] = {pair: [] for pair in pairs}
+        for r in range(-1, rounds):  # round -1 warms every path up and is dropped
+            order = pairs if r % 2 == 0 else pairs[::-1]
+            for name, extract in order:
+                res = _vllm_round(servers[name], lengths, extract, f"{name[0]}{int(extract)}-r{r}", concurrency)
+                if r >= 0:
+                    samples[(name, extract)].append(res)
+        tokens = sum(lengths)
+        runs = {
+            f"{name}, {'extraction' if extract else 'plain'}": {
+                "median_round_s": statistics.median(x["seconds"] for x in got),
+                "rounds_s": [x["seconds"] for x in got],
+                "ms_per_request": 1000 * statistics.median(x["seconds"] for x in got) / requests,
+                "tokens_per_s": tokens / statistics.median(x["seconds"] for x in got),
+                "median_p50_latency_s": statistics.median(x["p50_latency_s"] for x in got),
+            }
+            for (name, extract), got in samples.items()
+        }
+        m = {k: v["median_round_s"] for k, v in runs.items()}
+        ratios = {
+            # The headline: extracting with hsx on vLLM vs the same vLLM serving the prompts plainly.
+            "connector extraction / plain vllm plain": m["connector, extraction"] / m["plain vllm, plain"],
+            # extract_hidden_states mode itself, on requests that write no dump.
+            "connector plain / plain vllm plain": m["connector, plain"] / m["plain vllm, plain"],
+            # The connector's copy and file write per request.
+            "connector extraction / connector plain": m["connector, extraction"] / m["connector, plain"],
+        }
+        result = {
+            "device": "cpu",
+            "note": "CPU numbers: real vLLM 0.32 (CPU build) with a tiny random Llama (8 layers, H=64, 2 heads, "
+            "float32, eager); not representative of GPU serving; the CUDA copy path is not exercised",
+            "seed": SEED, "server_cpu_args": list(CPU_ARGS), "requests_per_round": requests,
+            "tokens_per_round": tokens, "concurrency": concurrency, "rounds": rounds,
+            "server_start_s": {name: s.start_seconds[-1] for name, s in servers.items()},
+            "runs": runs, "ratios": ratios,
+        }  # fmt: skip
+        path = write_result("engines_vllm", result)
+        print("\nengines, vLLM (CPU NUMBERS, tiny model):")
+        for name, v in runs.items():
+            print(f"  {name:30} {v['median_round_s']:6.2f}s/round  {v['ms_per_request']:7.1f} ms/request")
+        for name, v in ratios.items():
+            print(f"  ratio {name:42} {v:.2f} (medians)")
+        print(f"  written to {path}")
+        return result
+    finally:
+        for s in servers.values():
+            s.stop()
+        rmtree(work)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description="hsx's SGLang hook overhead per request (real SGLang, CPU)")
+    p = argparse.ArgumentParser(description="hsx's extraction overhead per request (real SGLang or vLLM, CPU)")
+    p.add_argument("--engine", choices=["sglang", "vllm"], default="sglang")
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
     args = p.parse_args(argv)
-    return run_engines(args.rounds, args.requests, args.concurrency)
+    run = run_vllm if args.engine == "vllm" else run_engines
+    return run(args.rounds, args.requests, args.concurrency)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ MAX_MODULE_LINES = 500
 # The extractor's top level: facts shared by every room. None imports a room.
 SHARED = {"config", "contract", "reasons", "protocol", "model"}
 # What the operator may take from the extractor: its config and contract, file-name constants,
-# and the SGLang launcher (pure: it builds the server's command line).
+# and the engines' launchers (pure: they build the server's command line).
 OPERATOR_MAY_IMPORT = {
     "hsx_extractor",
     "hsx_extractor.config",
@@ -26,6 +26,7 @@ OPERATOR_MAY_IMPORT = {
     "hsx_extractor.protocol",
     "hsx_extractor.storage.layout",
     "hsx_extractor.sglang_hook.launch",
+    "hsx_extractor.vllm_hook.launch",
 }
 
 
@@ -72,13 +73,13 @@ def graph() -> dict[str, set[str]]:
 
 
 def room(module: str) -> str:
-    """The room a module lives in: run, storage, tools, sglang_hook, shared, reader, operator."""
+    """The room a module lives in: run, storage, tools, sglang_hook, vllm_hook, shared, reader, operator."""
     parts = module.split(".")
     if parts[0] == "hsx_operator":
         return "operator"
     if len(parts) == 1:
         return "face"
-    if parts[1] in {"run", "storage", "tools", "sglang_hook"}:
+    if parts[1] in {"run", "storage", "tools", "sglang_hook", "vllm_hook"}:
         return parts[1]
     return "shared" if parts[1] in SHARED else parts[1]
 
@@ -117,11 +118,12 @@ def test_no_import_cycles() -> None:
 
 # Room -> the rooms it must never import.
 FORBIDDEN = {
-    "shared": {"run", "storage", "tools", "reader", "sglang_hook", "operator"},
-    "storage": {"run", "tools", "reader", "sglang_hook", "operator"},
-    "reader": {"run", "tools", "sglang_hook", "operator"},
+    "shared": {"run", "storage", "tools", "reader", "sglang_hook", "vllm_hook", "operator"},
+    "storage": {"run", "tools", "reader", "sglang_hook", "vllm_hook", "operator"},
+    "reader": {"run", "tools", "sglang_hook", "vllm_hook", "operator"},
     "run": {"tools", "reader", "operator"},
-    "sglang_hook": {"run", "storage", "tools", "reader", "operator"},
+    "sglang_hook": {"run", "storage", "tools", "reader", "vllm_hook", "operator"},
+    "vllm_hook": {"run", "storage", "tools", "reader", "sglang_hook", "operator"},
     "tools": {"operator"},
 }
 

@@ -51,3 +51,21 @@ def test_a_reported_capture_list_wins_and_bad_ids_fail_permanently(tmp_path: Pat
     assert model_shape({"capture_layers": [2, 4, 5]}, path, [0, 1, 2]).capture_layers == (2, 4, 5)
     with pytest.raises(ModelConfigError, match="layer id 7"):
         model_shape(SGLANG_INFO, path, [1, 3, 7])
+
+
+def test_vllm_layer_ids_are_capture_layers_then_the_layer_count() -> None:
+    """vLLM's id k is the residual stream after k layers = hsx's capture layer k (input of layer k);
+    the layer count is appended for the final state. The same spec gives both engines one set."""
+    from hsx_extractor.model import capture_layers, capture_layers_from_vllm_ids, vllm_layer_ids
+
+    default = capture_layers("LlamaForCausalLM", 32, None)
+    assert vllm_layer_ids(default, 32) == [2, 16, 29, 32]
+    assert vllm_layer_ids(capture_layers("LlamaForCausalLM", 32, [1, 15, 28]), 32) == [2, 16, 29, 32]
+    assert vllm_layer_ids([5, 0, 3], 8) == [0, 3, 5, 8]  # ascending: vLLM captures in layer order
+    assert capture_layers_from_vllm_ids([0, 3, 5, 8], 8) == [0, 3, 5]
+    for bad in ([8], [], [-1]):
+        with pytest.raises(ValueError):
+            vllm_layer_ids(bad, 8)
+    for ids in ([0, 3, 5], [0, 3, 5, 7], [3, 0, 8]):  # no final id, wrong final id, not ascending
+        with pytest.raises(ValueError):
+            capture_layers_from_vllm_ids(ids, 8)

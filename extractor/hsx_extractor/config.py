@@ -248,6 +248,9 @@ class ExtractConfig(_Spec):
     validation: ValidationSpec = Field(default_factory=ValidationSpec)  # type: ignore[arg-type]
     concurrency: int = Field(32, ge=1, le=1024, description="Requests in flight at the server.")
     serverUrl: str = Field("http://127.0.0.1:30000", description="Base URL of the extraction server.")
+    engine: Literal["sglang", "vllm"] = Field(
+        "sglang", description="The extraction server's engine: its request API (SGLang /generate, vLLM /v1/completions)."
+    )
     dumpDir: str = Field(
         "/dev/shm/hsx", description="Directory the server writes dumps into (shared memory)."
     )

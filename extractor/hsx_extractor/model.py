@@ -20,6 +20,11 @@ The model's forward loop tests ``i in layers_to_capture`` while walking the laye
 come out in ascending layer order with repeats collapsed, whatever order the ids were given in;
 nothing follows the last layer, so its output cannot be captured (gpt-oss and MiniMax-M3 also
 capture after it).
+
+vLLM 0.32 (``extract_hidden_states``, each model's ``_maybe_add_hidden_state`` calls) numbers the
+other way round: its id ``k`` is the residual stream after ``k`` decoder layers, which is hsx's
+capture layer ``k``; id ``N`` (the layer count) is the state after the last layer, before the final
+norm. :func:`vllm_layer_ids` and :func:`capture_layers_from_vllm_ids` are the one mapping.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from hsx_extractor.protocol import FINAL_POST_NORM, FINAL_PRE_NORM
 
 # The manifest's name for this numbering (capture.layerConvention): layer id j = the input of decoder
 # layer j (0-based) = the residual stream after j layers = HF ``hidden_states[j]``.
@@ -80,6 +87,30 @@ def capture_layers(architecture: str, num_layers: int, layer_ids: Sequence[int] 
                 f"layers can only be captured up to the input of layer {last}"
             )
     return sorted(shifted)
+
+
+# What each engine's dumps hold as the final state (protocol.FINAL_STATE_KEY): SGLang's hook takes the
+# model's output after the final norm; vLLM's extract_hidden_states can only capture before it.
+ENGINE_FINAL_STATE = {"sglang": FINAL_POST_NORM, "vllm": FINAL_PRE_NORM}
+
+
+def vllm_layer_ids(capture_layers: Sequence[int], num_layers: int) -> list[int]:
+    """vLLM's ``eagle_aux_hidden_state_layer_ids`` for hsx's capture layers: the same numbers (vLLM's
+    id k is the input of layer k), ascending, then ``num_layers`` for the (pre-norm) final state."""
+    layers = sorted({int(j) for j in capture_layers})
+    if not layers or layers[0] < 0 or layers[-1] >= num_layers:
+        raise ValueError(f"capture layers {list(capture_layers)} must be inputs of the model's {num_layers} layers")
+    return [*layers, num_layers]
+
+
+def capture_layers_from_vllm_ids(ids: Sequence[int], num_layers: int) -> list[int]:
+    """Inverse of :func:`vllm_layer_ids`: hsx's capture layers from the ids vLLM was started with."""
+    ids = [int(i) for i in ids]
+    if len(ids) < 2 or ids[-1] != num_layers or vllm_layer_ids(ids[:-1], num_layers) != ids:
+        raise ValueError(
+            f"vLLM layer ids {ids} are not hsx's: ascending layer inputs, then {num_layers} for the final state"
+        )
+    return ids[:-1]
 
 
 class ModelConfigError(ValueError):
@@ -134,6 +165,7 @@ class ModelShape:
     vocab_size: int | None
     architecture: str | None
     model_path: str | None
+    final_state: str = FINAL_POST_NORM  # protocol.FINAL_POST_NORM or FINAL_PRE_NORM
 
 
 def _config_if_any(model_path: str | None) -> dict[str, Any]:
@@ -143,7 +175,10 @@ def _config_if_any(model_path: str | None) -> dict[str, Any]:
 
 
 def model_shape(
-    info: Mapping[str, Any], model_path: str | None, aux_layer_ids: Sequence[int] | None = None
+    info: Mapping[str, Any],
+    model_path: str | None,
+    aux_layer_ids: Sequence[int] | None = None,
+    engine: str = "sglang",
 ) -> ModelShape:
     """Shape from the server's /get_model_info, falling back to the model's config.json (SGLang reports less).
 
@@ -174,6 +209,7 @@ def model_shape(
         int(vocab) if vocab else None,
         arch,
         info.get("model_path") or model_path,
+        ENGINE_FINAL_STATE[engine],
     )
 
 

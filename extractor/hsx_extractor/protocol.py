@@ -30,7 +30,7 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # numpy is imported where dumps are read: the operator imports this module's names
     import numpy as np
@@ -42,9 +42,15 @@ DUMP_SUFFIX = ".safetensors"
 ERROR_SUFFIX = ".error.json"
 PARTIAL_SUFFIX = ".partial"
 
-# What the dump's final state is (the manifest's capture.finalState): after the model's final norm,
-# as SGLang's logits processor keeps it and as Hugging Face returns hidden_states[-1].
-FINAL_STATE: Final = "post-norm"
+# vLLM rewrites request ids, so the rid travels in the request body's kv_transfer_params under this
+# key, to hsx's connector (hsx_extractor.vllm_hook).
+VLLM_RID_PARAM = "hsx_rid"
+
+# Meta key saying what the hidden_states tensor holds: the state after the model's final norm
+# (SGLang's hook; also what a dump without the key means) or before it (vLLM's connector).
+FINAL_STATE_KEY = "final_state"
+FINAL_POST_NORM = "post-norm"
+FINAL_PRE_NORM = "pre-norm"
 
 TENSOR_INPUT_IDS = "input_ids"
 TENSOR_AUX = "aux_hidden_states"
@@ -200,6 +206,11 @@ class DumpMeta:
     @property
     def num_aux(self) -> int:
         return len(self.capture_layers)
+
+    @property
+    def final_state(self) -> str:
+        """FINAL_POST_NORM or FINAL_PRE_NORM (see FINAL_STATE_KEY)."""
+        return self.extra.get(FINAL_STATE_KEY, FINAL_POST_NORM)
 
     def to_header(self) -> dict[str, str]:
         header = dict(self.extra)

@@ -101,6 +101,11 @@ class OutputReader:
             )
         return self._capture
 
+    @property
+    def final_state(self) -> str:
+        """``post-norm`` or ``pre-norm``: whether ``hidden_states`` went through the final norm."""
+        return self.capture.final_state
+
     def _open(self) -> Store:
         return open_store(self._spec, self.run_id, writing=False)
 

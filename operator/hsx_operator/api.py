@@ -13,7 +13,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from hsx_extractor.config import RUN_ID_PATTERN, DatasetSpec, ExtractConfig, OutputSpec, ValidationSpec
-from hsx_extractor.sglang_hook.launch import MIN_ABBREV, OWNED_FLAGS, REFUSED_FLAGS
+from hsx_extractor.sglang_hook.launch import OWNED_FLAGS
+from hsx_extractor.vllm_hook.launch import OWNED_FLAGS as VLLM_OWNED_FLAGS
+from hsx_operator.cel import cel, location_rules
+from hsx_operator.server_flags import EXTRA_ARGS_RULE, IS_VLLM
 
 GROUP = "hsx.dev"
 VERSION = "v1alpha1"
@@ -22,7 +25,8 @@ PLURAL = "extractionjobs"
 SINGULAR = "extractionjob"
 SHORT_NAMES = ("xj",)
 
-DEFAULT_SERVER_IMAGE = "ghcr.io/hsx-dev/hsx-sglang:0.1.0"
+# The server image of each engine (server.engine), used when server.image is not set.
+DEFAULT_SERVER_IMAGES = {"sglang": "ghcr.io/hsx-dev/hsx-sglang:0.1.0", "vllm": "ghcr.io/hsx-dev/hsx-vllm:0.1.0"}
 DEFAULT_EXTRACTOR_IMAGE = "ghcr.io/hsx-dev/hsx-extractor:0.1.0"
 
 # Kubernetes resource quantity (1, 500m, 16Gi, 1.5e3, ...).
@@ -37,11 +41,6 @@ _EXTRACT_DEFAULTS = ExtractConfig.model_fields
 # Bounds keep CEL's estimated cost within the API server's budget (it prices by maximum size).
 _STR = 4096
 _LIST = 64
-
-
-def cel(rule: str, message: str, **extra: Any) -> dict[str, Any]:
-    """One ``x-kubernetes-validations`` entry."""
-    return {"rule": rule, "message": message, **extra}
 
 
 class _Spec(BaseModel):
@@ -176,19 +175,11 @@ class Resources(_Spec):
     )
 
 
-_GUARDED_FLAGS = sorted(OWNED_FLAGS | REFUSED_FLAGS)
-_GUARDED_FLAGS_CEL = "[" + ", ".join(f"'{f}'" for f in _GUARDED_FLAGS) + "]"
-# launch.refused_extra_arg in CEL: a flag name (before any '=') that is a guarded flag or an argparse
-# abbreviation of one (a prefix of it).
-_ARG_NAME_CEL = "(a.indexOf('=') >= 0 ? a.substring(0, a.indexOf('=')) : a)"
-_EXTRA_ARGS_RULE = (
-    "!has(self.extraArgs) || self.extraArgs.all(a, !a.startsWith('--') || "
-    f"size({_ARG_NAME_CEL}) < {MIN_ABBREV} || !{_GUARDED_FLAGS_CEL}.exists(f, f.startsWith({_ARG_NAME_CEL})))"
-)
 
 
 class ServerSpec(_Spec):
-    """The patched SGLang server, run as a native sidecar that owns the GPUs."""
+    """The extraction server (SGLang with hsx's hook, or vLLM with hsx's connector), run as a native
+    sidecar that owns the GPUs."""
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -203,11 +194,18 @@ class ServerSpec(_Spec):
                     "set server.gpus instead of nvidia.com/gpu in server.resources",
                 ),
                 cel(
-                    _EXTRA_ARGS_RULE,
-                    "server.extraArgs may not set flags extraction mode owns ("
+                    EXTRA_ARGS_RULE,
+                    "server.extraArgs may not set flags extraction mode owns (SGLang: "
                     + ", ".join(sorted(OWNED_FLAGS))
+                    + "; vLLM: "
+                    + ", ".join(sorted(VLLM_OWNED_FLAGS))
                     + ") nor any abbreviation of them (SGLang reads --tp-siz as --tp-size), nor --config (a "
                     "file of arguments); use model, server.gpus, server.tensorParallel and server.port instead",
+                ),
+                cel(
+                    f"!{IS_VLLM} || !has(self.tensorParallel) || self.tensorParallel == self.gpus",
+                    "server.engine vllm runs one tensor-parallel group per pod: leave server.tensorParallel "
+                    "unset or equal to server.gpus (use parallelism for more replicas)",
                 ),
                 cel(
                     "!has(self.resources) || !('memory' in self.resources.?limits.orValue({})) || "
@@ -224,9 +222,16 @@ class ServerSpec(_Spec):
         }
     )
 
-    image: str = Field(
-        default=DEFAULT_SERVER_IMAGE,
-        description="Server image (SGLang with the hsx dump hook).",
+    engine: Literal["sglang", "vllm"] = Field(
+        default="sglang",
+        description="The server's engine: sglang (SGLang 0.5.23 with hsx's hook; final state after the model's "
+        "final norm) or vllm (vLLM 0.32 with hsx's KV connector; final state before it). docs/vllm.md.",
+    )
+    image: str | None = Field(
+        default=None,
+        description="Server image; defaults to hsx's image of the engine ("
+        + ", ".join(f"{k}: {v}" for k, v in DEFAULT_SERVER_IMAGES.items())
+        + ").",
         min_length=1,
         max_length=_STR,
     )
@@ -374,18 +379,6 @@ _LOCK_RULE = (
 )
 
 
-def _location_rules(f: str) -> Any:
-    """CEL rules for ``spec.{f}``: a URI and endpoint that mean the same inside the pod."""
-    uri, url = f"self.{f}.uri", f"self.{f}.endpoint"
-    where = f"{f}.uri must be s3://bucket/key, an absolute path or file:///path: in the pod a relative path "
-    scheme = f"!has({url}) || {url}.startsWith('http://') || {url}.startsWith('https://')"
-    return [
-        cel(f"{uri}.startsWith('s3://') || {uri}.startsWith('/') || {uri}.startsWith('file:///')",
-            where + "(or s3:/bucket) names the container's working directory"),
-        cel(scheme, f"{f}.endpoint must be an http:// or https:// URL"),
-    ]  # fmt: skip
-
-
 class ExtractionJobSpec(_Spec):
     """An extraction run: a model, a dataset and where the hidden states go."""
 
@@ -406,8 +399,8 @@ class ExtractionJobSpec(_Spec):
                     "self.startupDeadlineSeconds < self.activeDeadlineSeconds",
                     "startupDeadlineSeconds must be shorter than activeDeadlineSeconds",
                 ),
-                *_location_rules("dataset"),
-                *_location_rules("output"),
+                *location_rules("dataset"),
+                *location_rules("output"),
                 cel(
                     "self.runId != 'manifest'",
                     "runId 'manifest' is reserved",
@@ -497,3 +490,6 @@ class ExtractionJobSpec(_Spec):
 
     def tensor_parallel(self) -> int:
         return self.server.tensorParallel or self.server.gpus
+
+    def server_image(self) -> str:
+        return self.server.image or DEFAULT_SERVER_IMAGES[self.server.engine]

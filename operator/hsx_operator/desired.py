@@ -17,12 +17,14 @@ import yaml
 
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.contract import DATASET_CREDENTIALS_ENV, EXIT_PERMANENT
-from hsx_extractor.sglang_hook.launch import server_args, server_env
+from hsx_extractor.sglang_hook import launch as sglang_launch
 from hsx_extractor.storage.layout import MANIFEST_NAME
+from hsx_extractor.vllm_hook import launch as vllm_launch
 from hsx_operator.api import GROUP, KIND, VERSION, ExtractionJobSpec
 from hsx_operator.policy import under
 
-SERVER_CONTAINER = "sglang"
+# The server container of each engine, named after it (kubectl logs -c vllm).
+SERVER_CONTAINERS = {"sglang": "sglang", "vllm": "vllm"}
 EXTRACTOR_CONTAINER = "extractor"
 # The extractor image's checks that need no server, run before the server loads weights.
 PREFLIGHT_CONTAINER = "preflight"
@@ -121,6 +123,7 @@ def extract_config(spec: ExtractionJobSpec) -> ExtractConfig:
         validation=spec.validation,
         concurrency=spec.concurrency,
         serverUrl=f"http://127.0.0.1:{spec.server.port}",
+        engine=spec.server.engine,
         dumpDir=DUMP_DIR,
         dumpDirMaxBytes=spec.extractor.dumpDirMaxBytes,
         modelPath=spec.model.path,
@@ -150,13 +153,19 @@ def desired_config_map(owner: Owner, spec: ExtractionJobSpec) -> dict[str, Any]:
 
 
 def server_argv(spec: ExtractionJobSpec) -> list[str]:
-    """The SGLang command line of extraction mode, built by the hook's own launcher.
+    """The server's command line of extraction mode, built by the engine's own launcher.
 
-    One source of truth for the flags extraction needs (docs/sglang.md); it also refuses
-    ``extraArgs`` that would override them.
+    One source of truth for the flags extraction needs (docs/sglang.md, docs/vllm.md); it also
+    refuses ``extraArgs`` that would override them. vLLM's is hsx's launcher, which reads the
+    model's config in the pod and execs vLLM (the operator never sees the model).
     """
     tp = spec.tensor_parallel()
-    return server_args(
+    if spec.server.engine == "vllm":
+        return vllm_launch.launcher_args(
+            spec.model.path, tp, spec.server.port, spec.model.auxLayerIds or None, spec.server.extraArgs,
+            host="127.0.0.1",
+        )  # fmt: skip
+    return sglang_launch.server_args(
         spec.model.path,
         tp,
         spec.server.port,
@@ -169,10 +178,16 @@ def server_argv(spec: ExtractionJobSpec) -> list[str]:
     )
 
 
+def _server_env(spec: ExtractionJobSpec) -> dict[str, str]:
+    if spec.server.engine == "vllm":
+        return vllm_launch.server_env(DUMP_DIR)
+    return sglang_launch.server_env(DUMP_DIR)
+
+
 def health_probe(port: int) -> dict[str, Any]:
     """Probe action for a server bound to the pod's 127.0.0.1: an exec in the server container
     (httpGet would come from the kubelet to the pod IP). Only the standard library of the image's
-    python3, so it runs in any SGLang image."""
+    python3, so it runs in any SGLang or vLLM image (both serve /health)."""
     check = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout=4)"
     return {"exec": {"command": ["python3", "-c", check]}}
 
@@ -290,14 +305,14 @@ def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None =
     server_resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
     server_resources.setdefault("requests", {})[GPU_RESOURCE] = gpus
     server = {
-        "name": SERVER_CONTAINER,
-        "image": spec.server.image,
+        "name": SERVER_CONTAINERS[spec.server.engine],
+        "image": spec.server_image(),
         "imagePullPolicy": spec.server.imagePullPolicy,
         "command": server_argv(spec),
         # A native sidecar: starts first, runs for the pod's life, does not block completion.
         "restartPolicy": "Always",
         "env": [
-            *({"name": k, "value": v} for k, v in server_env(DUMP_DIR).items()),
+            *({"name": k, "value": v} for k, v in _server_env(spec).items()),
             *(e.model_dump() for e in spec.server.env),
         ],
         "startupProbe": _startup_probe(spec),

@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from hsx_extractor.contract import EXIT_PERMANENT, ProgressReport
-from hsx_operator.desired import EXTRACTOR_CONTAINER, PREFLIGHT_CONTAINER, SERVER_CONTAINER
+from hsx_operator.desired import EXTRACTOR_CONTAINER, PREFLIGHT_CONTAINER, SERVER_CONTAINERS
 from hsx_operator.status import Reason
 
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
@@ -86,8 +86,18 @@ def is_active(pod: Mapping[str, Any]) -> bool:
     ).get("deletionTimestamp")
 
 
+def server_container(pod: Mapping[str, Any]) -> str:
+    """The name of the pod's server container (named after its engine)."""
+    for name in SERVER_CONTAINERS.values():
+        if container_status(pod, name) is not None or any(
+            c.get("name") == name for c in (pod.get("spec") or {}).get("initContainers") or []
+        ):
+            return name
+    return SERVER_CONTAINERS["sglang"]
+
+
 def server_ready(pod: Mapping[str, Any]) -> bool:
-    cs = container_status(pod, SERVER_CONTAINER)
+    cs = container_status(pod, server_container(pod))
     return bool(cs and cs.get("started") and cs.get("ready") and "running" in (cs.get("state") or {}))
 
 
@@ -102,12 +112,13 @@ def pod_problem(pod: Mapping[str, Any], events: Sequence[Mapping[str, Any]]) -> 
             and c.get("reason") == "Unschedulable"
         ):
             return Reason.UNSCHEDULABLE, f"pod {name}: {c.get('message', '')}".strip()
-    for container in (PREFLIGHT_CONTAINER, SERVER_CONTAINER, EXTRACTOR_CONTAINER):
+    server = server_container(pod)
+    for container in (PREFLIGHT_CONTAINER, server, EXTRACTOR_CONTAINER):
         cs = container_status(pod, container)
         waiting = ((cs or {}).get("state") or {}).get("waiting") or {}
         reason = waiting.get("reason", "")
         if reason in STUCK_WAITING:
-            if reason == "CrashLoopBackOff" and container == SERVER_CONTAINER:
+            if reason == "CrashLoopBackOff" and container == server:
                 restarts = (cs or {}).get("restartCount", 0)
                 return (
                     Reason.SERVER_CRASH_LOOPING,

@@ -3,7 +3,7 @@
 A dump row holds bf16 values; transformers runs the same weights in float32. Capture layer ``j`` is
 the input of decoder layer ``j`` = ``hidden_states[j]`` of a transformers forward (0 = embeddings);
 the final states are the last element of that tuple, which transformers takes after the final
-norm. Rounding a float32 value to bf16 moves it by at most half a bf16 step (2^-9 relative), and
+norm; a pre-norm final state (vLLM's) is the input of the model's final norm, read with a hook. Rounding a float32 value to bf16 moves it by at most half a bf16 step (2^-9 relative), and
 the two float32 forwards differ far less than that, so ``rtol = 2^-8`` is one bf16 step of slack.
 """
 
@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from hsx_extractor import protocol
 
 # The one import of hsx's output reader (it may move in a refactor).
 from hsx_extractor.reader import OutputReader
@@ -60,14 +62,25 @@ def read_output(run_uri: str | Path) -> dict[int, Stored]:
     return out
 
 
-def reference_forward(hf_model: Any, ids: list[int], capture_layers: list[int]) -> tuple[Any, Any]:
-    """(aux [L, K*H], final [L, H]) in float32 from transformers."""
+def reference_forward(
+    hf_model: Any, ids: list[int], capture_layers: list[int], final_state: str = protocol.FINAL_POST_NORM
+) -> tuple[Any, Any]:
+    """(aux [L, K*H], final [L, H]) in float32 from transformers; ``final_state`` says which final."""
     import torch
 
-    with torch.no_grad():
-        out = hf_model(torch.tensor([ids]), output_hidden_states=True)
+    before_norm: list[Any] = []
+    hook = hf_model.model.norm.register_forward_hook(lambda _m, args, _out: before_norm.append(args[0]))
+    try:
+        with torch.no_grad():
+            out = hf_model(torch.tensor([ids]), output_hidden_states=True)
+    finally:
+        hook.remove()
     hs = out.hidden_states
     aux = torch.cat([hs[j][0] for j in capture_layers], dim=-1)
+    if final_state == protocol.FINAL_PRE_NORM:
+        (pre,) = before_norm
+        return aux, pre[0]
+    assert final_state == protocol.FINAL_POST_NORM, final_state
     return aux, hs[-1][0]
 
 
@@ -78,12 +91,12 @@ def max_rel_excess(got: Any, want: Any) -> float:
 
 def assert_matches_transformers(
     what: str, ids: list[int], aux_bits: np.ndarray, final_bits: np.ndarray, hf_model: Any,
-    capture_layers: list[int],
+    capture_layers: list[int], final_state: str = protocol.FINAL_POST_NORM,
 ) -> dict[str, float]:  # fmt: skip
     """Shapes exact, values within bf16 tolerance of transformers' forward of ``ids``."""
     import torch
 
-    want_aux, want_final = reference_forward(hf_model, ids, capture_layers)
+    want_aux, want_final = reference_forward(hf_model, ids, capture_layers, final_state)
     hidden = int(want_final.shape[-1])
     length = len(ids)
     assert aux_bits.shape == (length, len(capture_layers) * hidden), f"{what}: aux shape {aux_bits.shape}"

@@ -19,9 +19,11 @@ import pytest
 
 # The one import of the tiny-model builder (it may move in a refactor); the output reader's is in
 # compare.py. Everything else goes through the hsx CLI, the launcher or the dump protocol.
-from hsx_extractor.tools.tinymodel import build_tiny_model
+from hsx_extractor.tools.tinymodel import TinyModelSpec, build_tiny_model
+from tests.engines import vllm_venv
 from tests.engines.sglang_server import STARTED, SGLangServer
 from tests.engines.sglang_venv import install_hook, install_hsx, is_built, venv_dir
+from tests.engines.vllm_server import VLLMServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -57,13 +59,13 @@ def sglang_server_factory(
 ) -> Iterator[Callable[..., SGLangServer]]:
     """``make(name, **SGLangServer fields)``: a started server, stopped at session end at the latest.
 
-    At most one server runs at a time: starting one stops the others (each holds ~3 GB, and two
-    would share 2 cores with the extractor).
+    At most one server runs at a time, of either engine: starting one stops the others (each holds
+    ~3 GB, and two would share 2 cores with the extractor).
     """
     mine: list[SGLangServer] = []
 
     def make(name: str, **kw: Any) -> SGLangServer:
-        for other in mine:
+        for other in STARTED:  # vLLM's too
             other.stop()
         server = SGLangServer(tiny_model, hsx_for_sglang, tmp_path_factory.mktemp(f"sglang-{name}"), **kw)
         mine.append(server)
@@ -112,3 +114,79 @@ def hf_tokenizer(tiny_model: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_model))
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM (tests/engines/build_vllm.sh builds its venv): the same shape of fixtures as SGLang's.
+
+
+@pytest.fixture(scope="session")
+def vllm_venv_dir() -> Path:
+    if not vllm_venv.is_built():
+        pytest.skip(
+            f"the vLLM CPU venv is not built at {vllm_venv.venv_dir()}: run `bash tests/engines/build_vllm.sh` "
+            "(make test-tools does)"
+        )
+    return vllm_venv.venv_dir()
+
+
+@pytest.fixture(scope="session")
+def vllm_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # vLLM's CPU attention has no kernel for the default tiny model's head size (64 / 4 heads = 16):
+    # 2 heads of 32, otherwise the same model.
+    return build_tiny_model(
+        tmp_path_factory.mktemp("engines-vllm-tiny") / "model", TinyModelSpec(num_heads=2, num_kv_heads=1)
+    )
+
+
+@pytest.fixture(scope="session")
+def hsx_for_vllm(vllm_venv_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This checkout's hsx as the vllm image has it: its wheel installed --no-deps."""
+    return vllm_venv.install_hsx(tmp_path_factory.mktemp("engines-hsx-vllm") / "site")
+
+
+@pytest.fixture(scope="session")
+def vllm_server_factory(
+    vllm_tiny_model: Path, hsx_for_vllm: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., VLLMServer]]:
+    """``make(name, **VLLMServer fields)``: a started vLLM server; one at a time, as for SGLang."""
+    mine: list[VLLMServer] = []
+
+    def make(name: str, **kw: Any) -> VLLMServer:
+        for other in STARTED:
+            other.stop()
+        server = VLLMServer(vllm_tiny_model, hsx_for_vllm, tmp_path_factory.mktemp(f"vllm-{name}"), **kw)
+        mine.append(server)
+        return server.start()
+
+    yield make
+    for server in mine:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def _vllm_session_server(vllm_server_factory: Callable[..., VLLMServer]) -> VLLMServer:
+    return vllm_server_factory("session")
+
+
+@pytest.fixture
+def vllm_server(_vllm_session_server: VLLMServer) -> VLLMServer:
+    """The session's vLLM server: chunked prefill off, EAGLE-3's default layers."""
+    if not _vllm_session_server.running():
+        _vllm_session_server.start()
+    return _vllm_session_server
+
+
+@pytest.fixture(scope="session")
+def vllm_hf_model(vllm_tiny_model: Path) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(vllm_tiny_model), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def vllm_hf_tokenizer(vllm_tiny_model: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(vllm_tiny_model))

@@ -57,6 +57,9 @@ def free_port() -> int:
 class SGLangServer:
     """``start()`` it, use ``url``, ``stop()`` or ``kill()`` it; ``start()`` again restarts it."""
 
+    engine = "sglang"  # ExtractConfig.engine
+    engine_name = "SGLang"  # in error messages (vllm_server.VLLMServer reuses the lifecycle)
+
     model: Path
     hsx_dir: Path  # this checkout's hsx, installed from its wheel (sglang_venv.install_hsx)
     work: Path  # log, stand-in call log and (by default) the dump directory go here
@@ -128,13 +131,13 @@ class SGLangServer:
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"SGLang exited with {self.proc.returncode} during start:\n{self.log_tail()}"
+                    f"{self.engine_name} exited with {self.proc.returncode} during start:\n{self.log_tail()}"
                 )
             if self.healthy():
                 break
             if time.monotonic() > deadline:
                 self.kill()
-                raise RuntimeError(f"SGLang not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+                raise RuntimeError(f"{self.engine_name} not healthy after {timeout:.0f}s:\n{self.log_tail()}")
             time.sleep(1.0)
         self.start_seconds.append(time.monotonic() - t0)
         return self

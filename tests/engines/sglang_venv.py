@@ -155,13 +155,15 @@ def dockerfile_hook_steps(dockerfile: Path = REPO / "Dockerfile") -> list[str]:
     the image build runs.
     """
     text = dockerfile.read_text().replace("\\\n", " ")
-    stage: list[str] | None = None
+    runs: dict[str, list[str]] = {}
+    current = ""
     for line in text.splitlines():
         words = line.split()
         if words[:1] == ["FROM"]:
-            stage = [] if words[-2:-1] == ["AS"] and words[-1] == "sglang" else None
-        elif stage is not None and words[:1] == ["RUN"]:
-            stage.append(line.strip()[len("RUN") :])
+            current = words[-1] if words[-2:-1] == ["AS"] else ""
+        elif words[:1] == ["RUN"]:
+            runs.setdefault(current, []).append(line.strip()[len("RUN") :])
+    stage = runs.get("sglang")
     if not stage or len(stage) != 1:
         raise ValueError(f"{dockerfile}: expected one RUN in the sglang stage, found {stage}")
     parts = [p.strip() for p in stage[0].split("&&")]

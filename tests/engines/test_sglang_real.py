@@ -20,168 +20,37 @@ from typing import Any
 
 import numpy as np
 import pytest
-import yaml
 
 from hsx_extractor import protocol
 from tests.engines.compare import (
     HSX,
     assert_matches_transformers,
     bf16_to_float,
-    chat_expectation,
-    read_output,
-    verify_json,
+)
+from tests.engines.runs import (
+    EXIT_OK,
+    EXIT_TRANSIENT,
+    chat_rows,
+    check_run,
+    config,
+    interleave,
+    progress,
+    run_extract,
+    start_extract,
+    token_rows,
+    wait_for,
+    write_jsonl,
 )
 from tests.engines.sglang_server import PATCHED_LINE, STARTED, SGLangServer, free_port
 from tests.engines.sglang_venv import venv_dir
 
 pytestmark = pytest.mark.slow
 
-MAX_LENGTH = 511  # --context-length 512, and the extractor asks for one new token
 # Capture layers of the 8-layer tiny Llama (docs/sglang.md): no ids -> EAGLE-3's [2, N//2, N-3];
 # ids [a, b, c] -> [a+1, b+1, c+1].
 DEFAULT_CAPTURE = [2, 4, 5]
 CHUNKED_LAYER_IDS = [0, 3, 5]
 CHUNKED_CAPTURE = [1, 4, 6]
-EXIT_OK, EXIT_TRANSIENT = 0, 1  # hsx's exit codes (docs: contract)
-
-
-# ---------------------------------------------------------------------------------------------
-# datasets
-
-
-BOS = 1  # the tiny model's BOS: hsx requires pre-tokenized rows to start with it, as the template does
-FIRST_PLAIN_ID = 5  # ids 0..4 are the tiny tokenizer's special tokens
-
-
-def token_rows(lengths: list[int], seed: int, prefix: str) -> list[dict[str, Any]]:
-    """Pre-tokenized rows of exactly these lengths: BOS, then random non-special ids."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i, n in enumerate(lengths):
-        ids = [BOS, *rng.integers(FIRST_PLAIN_ID, 512, n - 1).tolist()]
-        mask = (rng.random(n) < 0.5).astype(int).tolist()
-        mask[0], mask[-1] = 0, 1
-        rows.append({"id": f"{prefix}{i}", "input_ids": ids, "loss_mask": mask})
-    return rows
-
-
-def chat_rows(n: int, prefix: str) -> list[dict[str, Any]]:
-    words = ["alpha", "beta", "gamma", "delta", "capital", "plus", "times", "code", "tests", "small", "river"]
-    rows = []
-    for i in range(n):
-        user = " ".join(words[(i * 7 + k) % len(words)] for k in range(3 + 9 * i))
-        answer = " ".join(words[(i * 5 + k) % len(words)] for k in range(2 + 6 * i))
-        messages = [
-            {"role": "user", "content": f"Q{i}: {user}?"},
-            {"role": "assistant", "content": f"{answer}."},
-        ]
-        if i % 2:
-            messages += [
-                {"role": "user", "content": "and then"},
-                {"role": "assistant", "content": f"then {i}"},
-            ]
-        rows.append({"id": f"{prefix}{i}", "messages": messages})
-    return rows
-
-
-def interleave(rows: list[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
-    order = np.random.default_rng(seed).permutation(len(rows))
-    return [rows[i] for i in order]
-
-
-def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def expected(rows: list[dict[str, Any]], hf_tokenizer: Any) -> dict[int, tuple[list[int], list[int]]]:
-    """(ids, loss mask) each dataset index must come out with."""
-    out = {}
-    for i, row in enumerate(rows):
-        if "input_ids" in row:
-            out[i] = (row["input_ids"], row["loss_mask"])
-        else:
-            out[i] = chat_expectation(hf_tokenizer, row["messages"])
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# running hsx
-
-
-def config(tmp: Path, server: SGLangServer, dataset: Path, run_id: str, **over: Any) -> Path:
-    cfg: dict[str, Any] = {
-        "runId": run_id,
-        "dataset": {"uri": str(dataset), "maxLength": MAX_LENGTH},
-        "output": {"uri": str(tmp / "out"), "shardTargetBytes": 1 << 20},
-        "modelPath": str(server.model),
-        "serverUrl": server.url,
-        "dumpDir": str(server.dump_dir),
-        "concurrency": 8,
-        "progressPort": 0,
-        "logIntervalSeconds": 60,
-        "validation": {"dumpTimeoutSeconds": 60, "maxRetries": 2},
-        **over,
-    }
-    if server.layer_ids:
-        cfg["auxLayerIds"] = list(server.layer_ids)
-    path = tmp / f"{run_id}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def start_extract(cfg: Path, log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as f:
-        return subprocess.Popen([HSX, "extract", "--config", str(cfg)], stdout=f, stderr=subprocess.STDOUT)
-
-
-def run_extract(cfg: Path, log: Path, timeout: float = 600) -> int:
-    proc = start_extract(cfg, log)
-    try:
-        return proc.wait(timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-def check_run(
-    run_uri: Path, rows: list[dict[str, Any]], hf_model: Any, hf_tokenizer: Any, capture: list[int]
-) -> dict[str, float]:
-    """Verify passes, nothing quarantined, every row stored once and equal to transformers."""
-    report = verify_json(run_uri)
-    assert report["ok"] and report["manifest"], report
-    assert report["quarantined"] == 0 and report["samples"] == len(rows), report
-    manifest = json.loads((run_uri / "manifest.json").read_text())
-    assert manifest["capture"] == {
-        "engine": "sglang",
-        "engineVersion": "0.5.23",
-        "layerIds": capture,
-        "layerConvention": "layer-input",
-        "finalState": "post-norm",
-        "dtype": "bfloat16",
-    }
-    stored = read_output(run_uri)
-    want = expected(rows, hf_tokenizer)
-    assert sorted(stored) == sorted(want)
-    worst = {"aux_max_abs": 0.0, "final_max_abs": 0.0}
-    for index, rec in stored.items():
-        ids, mask = want[index]
-        assert rec.sample_id == rows[index]["id"]
-        assert rec.input_ids == ids, f"sample {index}: ids differ from what was sent"
-        assert rec.loss_mask == mask, f"sample {index}: loss mask differs"
-        assert len(rec.loss_mask) == len(ids) and set(rec.loss_mask) <= {0, 1}
-        errs = assert_matches_transformers(f"sample {index} ({rows[index]['id']})", ids, rec.aux, rec.final,
-                                           hf_model, capture)  # fmt: skip
-        worst = {k: max(worst[k], v) for k, v in errs.items()}
-    return worst
-
-
-def progress(port: int) -> dict[str, Any] | None:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/progress", timeout=2) as r:
-            return json.loads(r.read())  # type: ignore[no-any-return]
-    except OSError:
-        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,7 +116,7 @@ def test_repeated_prompts_get_whole_dumps(sglang_server: SGLangServer, hf_model:
     for rid, ids in prompts.items():
         sglang_server.generate(_body(ids, rid))
     for rid, ids in prompts.items():
-        dump = protocol.read_dump(_wait_for(protocol.dump_path(sglang_server.dump_dir, rid)))  # type: ignore[arg-type]
+        dump = protocol.read_dump(wait_for(protocol.dump_path(sglang_server.dump_dir, rid)))  # type: ignore[arg-type]
         assert dump.input_ids.tolist() == ids and dump.meta.seq_len == len(ids)
         assert_matches_transformers(
             rid, ids, dump.aux_hidden_states, dump.hidden_states, hf_model, DEFAULT_CAPTURE
@@ -282,8 +151,8 @@ def test_reference_server_and_sglang_write_the_same_dump(tmp_path: Path, sglang_
             answer = sglang_server.generate(body)
             assert answer["meta_info"]["hidden_states"] == [], "the hook must keep states off HTTP"
             _post(ref_url, body)
-            got = protocol.read_dump(_wait_for(protocol.dump_path(sglang_server.dump_dir, rid)))  # type: ignore[arg-type]
-            ref_dump = protocol.read_dump(_wait_for(protocol.dump_path(ref_dumps, rid)))
+            got = protocol.read_dump(wait_for(protocol.dump_path(sglang_server.dump_dir, rid)))  # type: ignore[arg-type]
+            ref_dump = protocol.read_dump(wait_for(protocol.dump_path(ref_dumps, rid)))
             assert got.meta.producer.startswith("hsx-sglang-hook/sglang-0.5.23"), got.meta.producer
             for name in ("rid", "seq_len", "hidden_size", "capture_layers"):
                 assert getattr(got.meta, name) == getattr(ref_dump.meta, name), name
@@ -375,7 +244,7 @@ def test_chunked_prefill_server_killed_and_restarted(
 
 def test_sgl_kernel_standin_was_never_called() -> None:
     """Every server of this session imported the stand-in and called none of its functions."""
-    servers = STARTED
+    servers = [s for s in STARTED if s.engine == "sglang"]
     if not servers:
         pytest.skip("no SGLang server ran in this session")
     for server in servers:
@@ -413,15 +282,6 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     )
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())  # type: ignore[no-any-return]
-
-
-def _wait_for(path: Path, timeout: float = 60) -> Path:
-    """A dump may appear shortly after the HTTP answer (the hook writes it from a thread)."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"no dump at {path}"
-        time.sleep(0.05)
-    return path
 
 
 def _new_tokens(log: str) -> list[str]:

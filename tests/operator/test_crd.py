@@ -64,7 +64,7 @@ def test_schema_is_structural() -> None:
     "path, default",
     [
         ("spec.server.gpus", 8),
-        ("spec.server.image", "ghcr.io/hsx-dev/hsx-sglang:0.1.0"),
+        ("spec.server.engine", "sglang"),
         ("spec.output.compression", "bf16-zstd"),
         ("spec.validation.onMismatch", "quarantine"),
         ("spec.parallelism", 1),

@@ -189,6 +189,28 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         _with("server.port", 8080),
         "server.port and extractor.progressPort must differ",
     ),
+    # server.engine vllm: vLLM's own flags are guarded (its launcher's check), and one TP group per pod.
+    ("engine-unknown", _with("server.engine", "trtllm"), 'Unsupported value: "trtllm"'),
+    (
+        "vllm-extra-args-speculative-config",
+        _with("server", {"engine": "vllm", "extraArgs": ["--speculative-config", "{}"]}),
+        "vLLM: ",
+    ),
+    (
+        "vllm-extra-args-short-tp",
+        _with("server", {"engine": "vllm", "extraArgs": ["-tp", "2"]}),
+        "server.extraArgs may not set flags extraction mode owns",
+    ),
+    (
+        "vllm-extra-args-abbreviated-prefix-caching",
+        _with("server", {"engine": "vllm", "extraArgs": ["--enable-prefix-cach"]}),
+        "server.extraArgs may not set flags extraction mode owns",
+    ),
+    (
+        "vllm-data-parallel",
+        _with("server", {"engine": "vllm", "gpus": 8, "tensorParallel": 4}),
+        "server.engine vllm runs one tensor-parallel group per pod",
+    ),
     ("no-spec", {k: v for k, v in VALID.items() if k != "spec"}, "spec: Required value"),
     (
         "name-with-dots",
@@ -217,6 +239,11 @@ def test_cross_field_rules_let_sound_specs_through(xj_crd: Any, namespace: str) 
         "extraArgs": ["--mem-fraction-static=0.8", "--trust-remote-code", "--context-length", "4096"],
     }
     doc["spec"]["extractor"] = {"dumpDirMaxBytes": 16 << 30}
+    xj_crd.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(doc))
+    # vLLM with its own tuning flags (SGLang's owned --context-length is vLLM's to take).
+    doc["metadata"]["name"] = "xj-vllm"
+    doc["spec"]["server"] = {"engine": "vllm", "gpus": 2, "shmSize": "24Gi", "extraArgs": ["--gpu-memory-utilization=0.8",
+                             "--max-num-seqs", "64", "--context-length", "4096"]}  # fmt: skip
     xj_crd.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(doc))
 
 

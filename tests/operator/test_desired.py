@@ -217,3 +217,32 @@ def test_desired_job_is_a_pure_function_of_the_spec() -> None:
         desired_job(OWNER, make_spec())["metadata"]["name"]
         != desired_job(OWNER, make_spec(runId="r2"))["metadata"]["name"]
     )
+
+
+def test_vllm_engine_renders_hsx_launcher_in_a_vllm_container() -> None:
+    spec = make_spec(
+        model={"path": "/m", "auxLayerIds": [1, 15, 28]},
+        server={"engine": "vllm", "gpus": 2, "extraArgs": ["--gpu-memory-utilization", "0.8"]},
+    )
+    pod = _pod(desired_job(OWNER, spec))
+    (_, server) = pod["initContainers"]
+    assert server["name"] == "vllm" and server["image"] == "ghcr.io/hsx-dev/hsx-vllm:0.1.0"
+    # hsx's launcher reads the model's config in the pod, then execs vLLM (docs/vllm.md).
+    assert server["command"] == [
+        "python3", "-m", "hsx_extractor.vllm_hook", "serve", "--model", "/m", "--tp", "2", "--port", "30000",
+        "--host", "127.0.0.1", "--chunked-prefill-size", "-1", "--layer-ids", "1,15,28",
+        "--", "--gpu-memory-utilization", "0.8",
+    ]  # fmt: skip
+    assert {"name": "SGLANG_HS_DUMP_DIR", "value": DUMP_DIR} in server["env"]
+    assert "127.0.0.1:30000/health" in server["startupProbe"]["exec"]["command"][2]
+    assert server["readinessProbe"]["exec"] == server["startupProbe"]["exec"]
+    assert {"name": "shm", "mountPath": "/dev/shm"} in server["volumeMounts"]
+    config = ExtractConfig.model_validate(yaml.safe_load(desired_config_map(OWNER, spec)["data"]["config.yaml"]))
+    assert config.engine == "vllm" and config.auxLayerIds == [1, 15, 28]
+    # The default engine keeps SGLang's container, image and config.
+    sglang = _pod(desired_job(OWNER, make_spec()))["initContainers"][-1]
+    assert (sglang["name"], sglang["image"]) == ("sglang", "ghcr.io/hsx-dev/hsx-sglang:0.1.0")
+    default_cm = yaml.safe_load(desired_config_map(OWNER, make_spec())["data"]["config.yaml"])
+    assert ExtractConfig.model_validate(default_cm).engine == "sglang"
+    mine = make_spec(server={"image": "my/vllm:1", "engine": "vllm"})
+    assert _pod(desired_job(OWNER, mine))["initContainers"][-1]["image"] == "my/vllm:1"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from hsx_extractor.sglang_hook.launch import SGLANG_BASE_IMAGE
+from hsx_extractor.vllm_hook.launch import VLLM_BASE_IMAGE
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -62,24 +63,26 @@ def test_hadolint_really_lints(tmp_path: Path) -> None:
 
 def test_one_target_per_image_and_non_root_python_images() -> None:
     stages = _stages()
-    assert {"operator", "extractor", "sglang"} <= set(stages)
+    assert {"operator", "extractor", "sglang", "vllm"} <= set(stages)
     for name in ("operator", "extractor"):
         body = "\n".join(stages[name])
         assert "USER 10001:10001" in body
         assert "torch" not in body
     assert "[operator]" in "\n".join(stages["operator"]) and "[extractor]" in "\n".join(stages["extractor"])
     assert "--no-deps" in "\n".join(stages["sglang"]) and "install-pth" in "\n".join(stages["sglang"])
+    vllm = "\n".join(stages["vllm"])
+    assert "--no-deps" in vllm and "VLLM_VERSION" in vllm and "vllm_hook.connector import HsxDumpConnector" in vllm
 
 
 def test_base_images_are_pinned_and_sglang_is_the_pinned_release() -> None:
     args = dict(re.findall(r"^ARG (\w+_IMAGE)=(\S+)$", DOCKERFILE.read_text(), re.M))
-    assert args["SGLANG_IMAGE"] == SGLANG_BASE_IMAGE
+    assert args["SGLANG_IMAGE"] == SGLANG_BASE_IMAGE and args["VLLM_IMAGE"] == VLLM_BASE_IMAGE
     for image in args.values():
         tag = image.rsplit(":", 1)[-1]
         assert ":" in image and tag != "latest" and re.search(r"\d", tag), image
     # Every FROM is a pinned ARG above or an earlier stage.
     froms = re.findall(r"^FROM (\S+)", DOCKERFILE.read_text(), re.M)
-    assert all(f in {"${PYTHON_IMAGE}", "${SGLANG_IMAGE}"} or f in _stages() for f in froms), froms
+    assert all(f in {"${PYTHON_IMAGE}", "${SGLANG_IMAGE}", "${VLLM_IMAGE}"} or f in _stages() for f in froms), froms
 
 
 def test_no_secrets_and_a_whitelisted_context() -> None:

@@ -70,13 +70,15 @@ def check_collected(
     num_aux: int,
     capture_layers: tuple[int, ...] | None = None,
     producer: str | None = None,
+    final_state: str | None = None,
 ) -> Dump | Mismatch:
     """The dump if it is exactly the sample sent as ``rid``, else why not."""
     if isinstance(arrival, Mismatch):
         return arrival
     if isinstance(arrival, ServerRefused):
         return Mismatch(Reason.SERVER_ERROR, f"server: {arrival.reason}: {arrival.message}")
-    return check_dump(rid, sent_ids, arrival.dump, hidden_size, num_aux, capture_layers, producer) or arrival.dump
+    mismatch = check_dump(rid, sent_ids, arrival.dump, hidden_size, num_aux, capture_layers, producer, final_state)
+    return mismatch or arrival.dump
 
 
 def remove(dump_dir: str | os.PathLike[str], rid: str) -> None:

@@ -264,6 +264,7 @@ class ShardWorker:
             len(self.shape.capture_layers),
             self.shape.capture_layers,
             self.producer,
+            self.shape.final_state,
         )
         if isinstance(checked, Mismatch):
             collect.remove(self.cfg.dumpDir, rid)

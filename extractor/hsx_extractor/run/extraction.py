@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 
@@ -28,7 +28,7 @@ from hsx_extractor.model import (
     model_fingerprint,
     model_shape,
 )
-from hsx_extractor.protocol import FINAL_STATE, RunKey
+from hsx_extractor.protocol import RunKey
 from hsx_extractor.reasons import Reason
 from hsx_extractor.run import collect
 from hsx_extractor.run.consistency import (
@@ -36,6 +36,7 @@ from hsx_extractor.run.consistency import (
     Checker,
     Consistency,
     ConsistencyGate,
+    FinalState,
     sampled_indices,
 )
 from hsx_extractor.run.dataset import Prepared, Rejected, dataset_endpoint, read_samples
@@ -54,8 +55,12 @@ from hsx_extractor.storage.manifest import Capture
 from hsx_extractor.storage.shard_format import STATES_DTYPE
 from hsx_extractor.storage.store import Store, open_store
 from hsx_extractor.storage.uris import open_uri_chunks, uri_stat
+from hsx_extractor.vllm_hook.launch import PRODUCER as VLLM_PRODUCER
+from hsx_extractor.vllm_hook.launch import VLLM_VERSION
 
 SERVER_START_TIMEOUT_S = 600.0
+# The producer each engine's dumps name (spec.server.engine -> hook/connector).
+ENGINE_PRODUCERS = {"sglang": HOOK_PRODUCER, "vllm": VLLM_PRODUCER}
 
 
 def engine_of(producer: str) -> tuple[str, str]:
@@ -63,6 +68,8 @@ def engine_of(producer: str) -> tuple[str, str]:
     (the reference server), which has hsx's version."""
     if producer == HOOK_PRODUCER:
         return "sglang", SGLANG_VERSION
+    if producer == VLLM_PRODUCER:
+        return "vllm", VLLM_VERSION
     if producer.startswith("hsx-"):
         return producer, __version__
     raise permanent(f"the server's dumps come from {producer!r}, an engine hsx does not know")
@@ -148,6 +155,8 @@ class Extraction:
             "hiddenSize": shape.hidden_size,
             "captureLayers": list(shape.capture_layers),
             "model": model_fingerprint(self.cfg.modelPath),
+            # Only when not the default, so plans written before the key existed still resume.
+            **({"finalState": shape.final_state} if shape.final_state != protocol.FINAL_POST_NORM else {}),
         }
 
     def compute_plan(self, tok: ChatTokenizer, shape: ModelShape) -> ShardPlan:
@@ -219,6 +228,11 @@ class Extraction:
         if spec.samplesPerShard == 0:
             self.consistency_off = "validation.consistency.samplesPerShard is 0"
             return None
+        if self.cfg.engine != "sglang":  # it asks SGLang's logprob fields; vLLM's prompt_logprobs differ
+            if "samplesPerShard" in spec.model_fields_set:
+                raise permanent(f"validation.consistency is not supported with engine {self.cfg.engine} yet")
+            self.consistency_off = f"not supported with engine {self.cfg.engine} yet"
+            return None
         try:
             if not self.cfg.modelPath:
                 raise ModelConfigError("no modelPath: the extractor needs the model's weights for the check")
@@ -243,7 +257,7 @@ class Extraction:
         sampled = {
             i for k in todo for i in sampled_indices(k, plan.shard_range(k), spec.samplesPerShard, self.cfg.runId)
         }
-        return Consistency(Checker(head, spec, FINAL_STATE), self.consistency_gate, sampled)
+        return Consistency(Checker(head, spec, cast(FinalState, shape.final_state)), self.consistency_gate, sampled)
 
     # ---- the run -------------------------------------------------------------------------------
     async def run(self) -> RunResult:
@@ -266,14 +280,14 @@ class Extraction:
             print(f"hsx: removed {stale} dumps left by dead processes or runs in {cfg.dumpDir}", flush=True)
         connector = aiohttp.TCPConnector(limit=cfg.concurrency + 4)
         async with aiohttp.ClientSession(connector=connector) as session:
-            client = ServerClient(cfg.serverUrl, session, cfg.concurrency)
+            client = ServerClient(cfg.serverUrl, session, cfg.concurrency, engine=cfg.engine)
             self.progress.watch_in_flight(lambda: client.in_flight)
             await client.wait_healthy(SERVER_START_TIMEOUT_S)
             info = await client.model_info()
-            shape = model_shape(info, cfg.modelPath, cfg.auxLayerIds)
+            shape = model_shape(info, cfg.modelPath, cfg.auxLayerIds, cfg.engine)
             check_vocab(shape, tok.vocab_size, cfg.modelPath)
-            # SGLang's /get_model_info names no producer; the reference server names itself.
-            producer = str(info.get("producer") or HOOK_PRODUCER)
+            # SGLang's /get_model_info and vLLM name no producer; the reference server names itself.
+            producer = str(info.get("producer") or ENGINE_PRODUCERS[cfg.engine])
             engine = engine_of(producer)
             plan = await self.load_plan(store, tok, shape)
             mine = replica_shards(len(plan.shards), cfg.replicaIndex, cfg.replicaCount)
@@ -321,7 +335,7 @@ class Extraction:
             engine_version=engine[1],
             layer_ids=shape.capture_layers,
             layer_convention=LAYER_CONVENTION,
-            final_state=FINAL_STATE,
+            final_state=shape.final_state,
             dtype=STATES_DTYPE,
         )
         return {

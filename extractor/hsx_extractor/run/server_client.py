@@ -1,6 +1,7 @@
-"""The extraction server's HTTP API, as hsx uses it (SGLang's /generate, /health, /get_model_info).
+"""The extraction server's HTTP API, as hsx uses it: SGLang's /generate, /health, /get_model_info, or
+vLLM's /v1/completions and /health.
 
-Knows the wire format and nothing else. At most ``concurrency`` requests are in flight; the
+Knows the wire formats and nothing else. At most ``concurrency`` requests are in flight; the
 caller queues more than that so the server always has the next request waiting.
 
 A retried POST never reuses its rid: once a request was sent, the server may have run it (and
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
+from hsx_extractor import protocol
 
 
 class ServerUnavailable(RuntimeError):
@@ -58,6 +61,23 @@ def generate_body(input_ids: Sequence[int], rid: str, extra: Mapping[str, Any] |
     }
 
 
+def completions_body(input_ids: Sequence[int], rid: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM: one prefill, one generated token. vLLM rewrites request ids (``cmpl-{id}-0-{random}``),
+    so the rid travels to hsx's connector in ``kv_transfer_params``; X-Request-Id carries it too, for logs."""
+    if extra:  # SGLang's logprob fields: the consistency check does not speak vLLM's yet
+        raise ValueError(f"vLLM requests take no extra fields ({sorted(extra)})")
+    return {
+        "prompt": [int(i) for i in input_ids],
+        "max_tokens": 1,
+        "temperature": 0,
+        "kv_transfer_params": {protocol.VLLM_RID_PARAM: rid},
+    }
+
+
+# engine -> (path, body maker)
+_REQUESTS = {"sglang": ("/generate", generate_body), "vllm": ("/v1/completions", completions_body)}
+
+
 class ServerClient:
     def __init__(
         self,
@@ -66,7 +86,10 @@ class ServerClient:
         concurrency: int,
         request_timeout: float = 3600.0,
         connect_retries: int = 5,
+        engine: str = "sglang",
     ) -> None:
+        self.engine = engine
+        self._path, self._body = _REQUESTS[engine]
         self.base_url = base_url.rstrip("/")
         self.session = session
         self._slots = asyncio.Semaphore(concurrency)
@@ -92,6 +115,9 @@ class ServerClient:
             await asyncio.sleep(0.5)
 
     async def model_info(self) -> dict[str, Any]:
+        """SGLang's /get_model_info; vLLM has none ({}: the model's config.json says it all)."""
+        if self.engine == "vllm":
+            return {}
         try:
             async with self.session.get(
                 f"{self.base_url}/get_model_info", timeout=aiohttp.ClientTimeout(total=30)
@@ -137,7 +163,10 @@ class ServerClient:
                 rid = renew(rid)
             try:
                 async with self.session.post(
-                    f"{self.base_url}/generate", json=generate_body(input_ids, rid, extra), timeout=self.request_timeout
+                    f"{self.base_url}{self._path}",
+                    json=self._body(input_ids, rid, extra),
+                    headers={"X-Request-Id": rid},
+                    timeout=self.request_timeout,
                 ) as r:
                     text = await r.text()
                     if r.status < 400:
@@ -149,5 +178,5 @@ class ServerClient:
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
         raise ServerUnavailable(
-            f"/generate failed {self.connect_retries + 1} times (rids {first} .. {rid}): {last}"
+            f"{self._path} failed {self.connect_retries + 1} times (rids {first} .. {rid}): {last}"
         )

@@ -56,13 +56,19 @@ def check_dump(
     num_aux: int,
     capture_layers: tuple[int, ...] | None = None,
     producer: str | None = None,
+    final_state: str | None = None,
 ) -> Mismatch | None:
     """None when ``dump`` is exactly the sample sent as ``rid``; otherwise the mismatch.
 
-    A dump of another shape, of other layers than ``capture_layers`` or from another producer than
-    ``producer`` (when given) raises
-    :class:`DumpShapeError`: that is a misconfigured server, not a bad sample."""
+    A dump of another shape, of other layers than ``capture_layers``, from another producer than
+    ``producer`` or of another final state than ``final_state`` (each when given) raises
+    :class:`DumpShapeError`: that is a misconfigured server (another engine than the run's), not a bad sample."""
     meta = dump.meta
+    if final_state is not None and meta.final_state != final_state:
+        raise DumpShapeError(
+            f"dump {rid} holds the {meta.final_state} final state ({meta.producer}); the run expects "
+            f"{final_state}: the server is another engine than the run's `engine`"
+        )
     layers_differ = capture_layers is not None and tuple(meta.capture_layers) != tuple(capture_layers)
     if meta.hidden_size != hidden_size or meta.num_aux != num_aux or layers_differ:
         raise DumpShapeError(

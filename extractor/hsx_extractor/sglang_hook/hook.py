@@ -212,6 +212,7 @@ class ExtractionHook:
                 "architecture": info.architecture,
                 "source_dtype": str(pending.aux[0].host.dtype).removeprefix("torch."),
                 "chunks": str(len(pending.aux)),
+                protocol.FINAL_STATE_KEY: protocol.FINAL_POST_NORM,
             },
         )
         self._sink.submit(DumpJob(meta=meta, input_ids=ids, aux=pending.aux, final=pending.final))

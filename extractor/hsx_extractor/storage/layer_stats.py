@@ -52,7 +52,7 @@ def _entry(n: float, s: float, sq: float, lo: float, hi: float) -> dict[str, Any
 
 def layer_norms(total: np.ndarray | None) -> dict[str, Any] | None:
     """Combined sums as the commit record lists them (pure): ``aux``, one entry per aux layer in
-    capture order (the manifest's ``run.captureLayers``), and ``final``."""
+    capture order (the manifest's ``capture.layerIds``), and ``final``."""
     if total is None:
         return None
     entries = [_entry(*row) for row in total.tolist()]
