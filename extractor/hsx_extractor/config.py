@@ -97,7 +97,9 @@ class DatasetSpec(_Spec):
     endpoint: str | None = Field(
         None, description="S3 endpoint URL of the dataset's store. Defaults to output.endpoint."
     )
-    region: str | None = Field(None, description="S3 region of the dataset's store. Defaults to output.region.")
+    region: str | None = Field(
+        None, description="S3 region of the dataset's store. Defaults to output.region."
+    )
     pathStyle: bool | None = Field(
         None, description="Path-style addressing for the dataset's store. Defaults to output.pathStyle."
     )
@@ -159,18 +161,35 @@ class OutputSpec(_Spec):
     _endpoint = field_validator("endpoint")(check_endpoint)
 
 
+DEFAULT_CONSISTENCY_SAMPLES = 2
+
+
 class ConsistencySpec(_Spec):
     """Whether the captured final states agree with the model's own next-token predictions."""
 
-    samplesPerShard: int = Field(
-        2,
+    # None, not 2: a default the API server writes into the object would read as the user's choice,
+    # and only a choice made by the user fails a run that cannot check (vLLM, no readable weights).
+    samplesPerShard: int | None = Field(
+        None,
         ge=0,
         le=64,
         description="Requests per shard (chosen by sample index, the same on every attempt) that also ask "
         "the server for the prompt's top next-token logprobs; their captured final state, through the "
         "model's lm_head (read from modelPath with numpy), must rank the same tokens with logprobs within "
-        "tolerance. 0 turns the check off.",
+        f"tolerance. 0 turns the check off. Unset: {DEFAULT_CONSISTENCY_SAMPLES} where the check can run "
+        "(engine sglang, weights readable by the extractor), else off with a warning; set, a run that "
+        "cannot check fails.",
     )
+
+    @property
+    def samples_per_shard(self) -> int:
+        return DEFAULT_CONSISTENCY_SAMPLES if self.samplesPerShard is None else self.samplesPerShard
+
+    @property
+    def asked(self) -> bool:
+        """Whether the user set the check explicitly (then a run that cannot check fails)."""
+        return self.samplesPerShard is not None
+
     positions: int = Field(
         4, ge=1, le=64, description="Prompt positions compared per checked request, spread over its tail."
     )
@@ -249,7 +268,8 @@ class ExtractConfig(_Spec):
     concurrency: int = Field(32, ge=1, le=1024, description="Requests in flight at the server.")
     serverUrl: str = Field("http://127.0.0.1:30000", description="Base URL of the extraction server.")
     engine: Literal["sglang", "vllm"] = Field(
-        "sglang", description="The extraction server's engine: its request API (SGLang /generate, vLLM /v1/completions)."
+        "sglang",
+        description="The extraction server's engine: its request API (SGLang /generate, vLLM /v1/completions).",
     )
     dumpDir: str = Field(
         "/dev/shm/hsx", description="Directory the server writes dumps into (shared memory)."

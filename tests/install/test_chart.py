@@ -235,9 +235,15 @@ def test_crd_default_images_follow_the_app_version() -> None:
     app_version = chart_meta()["appVersion"]
     crd = yaml.safe_load((CHART / "crds" / "extractionjobs.hsx.dev.yaml").read_text())
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
-    for block in ("server", "extractor"):
-        image = spec[block]["properties"]["image"]["default"]
+    image = spec["extractor"]["properties"]["image"]["default"]
+    assert image.startswith("ghcr.io/hsx-dev/") and image.endswith(f":{app_version}"), image
+    # The server image defaults per engine (in the operator), so the CRD names each in its description.
+    from hsx_operator.api import DEFAULT_SERVER_IMAGES
+
+    described = spec["server"]["properties"]["image"]["description"]
+    for engine, image in DEFAULT_SERVER_IMAGES.items():
         assert image.startswith("ghcr.io/hsx-dev/") and image.endswith(f":{app_version}"), image
+        assert f"{engine}: {image}" in described, (engine, described)
 
 
 def test_notes_tell_the_next_steps() -> None:

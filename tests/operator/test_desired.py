@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import yaml
 
 from hsx_extractor.config import ExtractConfig
@@ -65,7 +67,8 @@ def test_pod_failure_policy_fails_fast_on_permanent_exit_and_ignores_disruptions
     rules = desired_job(OWNER, make_spec())["spec"]["podFailurePolicy"]["rules"]
     fail = [r["onExitCodes"] for r in rules if r["action"] == "FailJob"]
     assert fail == [
-        {"containerName": name, "operator": "In", "values": [EXIT_PERMANENT]} for name in ("preflight", "extractor")
+        {"containerName": name, "operator": "In", "values": [EXIT_PERMANENT]}
+        for name in ("preflight", "extractor")
     ]
     ignore = [r for r in rules if r["action"] == "Ignore"]
     assert ignore[0]["onPodConditions"][0]["type"] == "DisruptionTarget"
@@ -82,7 +85,10 @@ def test_server_is_a_native_sidecar_with_the_gpus_and_a_startup_budget() -> None
     assert "nvidia.com/gpu" not in str(extractor.get("resources", {}))
     probe = server["startupProbe"]
     # The server listens on 127.0.0.1 only: the kubelet probes it from inside the container.
-    assert probe["exec"]["command"][:2] == ["python3", "-c"] and "127.0.0.1:30000/health" in probe["exec"]["command"][2]
+    assert (
+        probe["exec"]["command"][:2] == ["python3", "-c"]
+        and "127.0.0.1:30000/health" in probe["exec"]["command"][2]
+    )
     assert server["readinessProbe"]["exec"] == probe["exec"] and "ports" not in server
     assert probe["periodSeconds"] * probe["failureThreshold"] >= 900
     assert {"name": "SGLANG_HS_DUMP_DIR", "value": DUMP_DIR} in server["env"]
@@ -237,8 +243,17 @@ def test_vllm_engine_renders_hsx_launcher_in_a_vllm_container() -> None:
     assert "127.0.0.1:30000/health" in server["startupProbe"]["exec"]["command"][2]
     assert server["readinessProbe"]["exec"] == server["startupProbe"]["exec"]
     assert {"name": "shm", "mountPath": "/dev/shm"} in server["volumeMounts"]
-    config = ExtractConfig.model_validate(yaml.safe_load(desired_config_map(OWNER, spec)["data"]["config.yaml"]))
+    config = ExtractConfig.model_validate(
+        yaml.safe_load(desired_config_map(OWNER, spec)["data"]["config.yaml"])
+    )
     assert config.engine == "vllm" and config.auxLayerIds == [1, 15, 28]
+    # The consistency check stays unset through the CRD (no default there) and the ConfigMap: vLLM
+    # cannot check, and only a check the user asked for fails the run.
+    assert not config.validation.consistency.asked
+    crd = yaml.safe_load((Path(__file__).parents[2] / "crds" / "extractionjobs.hsx.dev.yaml").read_text())
+    spec_schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    check = spec_schema["validation"]["properties"]["consistency"]["properties"]["samplesPerShard"]
+    assert check["type"] == "integer" and "default" not in check
     # The default engine keeps SGLang's container, image and config.
     sglang = _pod(desired_job(OWNER, make_spec()))["initContainers"][-1]
     assert (sglang["name"], sglang["image"]) == ("sglang", "ghcr.io/hsx-dev/hsx-sglang:0.1.0")

@@ -49,9 +49,10 @@ def vllm_image(hsx_node: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def vllm_model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def vllm_model_root(op_workdir: Path) -> Path:
     # 2 heads of 32: vLLM's CPU attention has no kernel for the default tiny model's head size 16.
-    root = tmp_path_factory.mktemp("op-vllm-model")
+    # Under the session's work directory: the only host path the test operators allow.
+    root = op_workdir / "models-vllm"
     build_tiny_model(root / "tiny", TinyModelSpec(num_heads=2, num_kv_heads=1))
     return root
 

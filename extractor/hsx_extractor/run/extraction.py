@@ -225,11 +225,11 @@ class Extraction:
         check is off. Left at its default, a model directory without readable weights turns the check
         off with a warning; asked for explicitly, it fails the run."""
         spec = self.cfg.validation.consistency
-        if spec.samplesPerShard == 0:
+        if spec.samples_per_shard == 0:
             self.consistency_off = "validation.consistency.samplesPerShard is 0"
             return None
         if self.cfg.engine != "sglang":  # it asks SGLang's logprob fields; vLLM's prompt_logprobs differ
-            if "samplesPerShard" in spec.model_fields_set:
+            if spec.asked:
                 raise permanent(f"validation.consistency is not supported with engine {self.cfg.engine} yet")
             self.consistency_off = f"not supported with engine {self.cfg.engine} yet"
             return None
@@ -238,7 +238,7 @@ class Extraction:
                 raise ModelConfigError("no modelPath: the extractor needs the model's weights for the check")
             head = LmHead(self.cfg.modelPath)
         except (ModelConfigError, OSError, ValueError) as exc:
-            if "samplesPerShard" in spec.model_fields_set:
+            if spec.asked:
                 raise permanent(f"validation.consistency: {exc}") from exc
             self.consistency_off = f"cannot read the model's head: {exc}"
             print(f"hsx: warning: consistency check off: {self.consistency_off}", flush=True)
@@ -255,9 +255,13 @@ class Extraction:
             return None
         spec = self.cfg.validation.consistency
         sampled = {
-            i for k in todo for i in sampled_indices(k, plan.shard_range(k), spec.samplesPerShard, self.cfg.runId)
+            i
+            for k in todo
+            for i in sampled_indices(k, plan.shard_range(k), spec.samples_per_shard, self.cfg.runId)
         }
-        return Consistency(Checker(head, spec, cast(FinalState, shape.final_state)), self.consistency_gate, sampled)
+        return Consistency(
+            Checker(head, spec, cast(FinalState, shape.final_state)), self.consistency_gate, sampled
+        )
 
     # ---- the run -------------------------------------------------------------------------------
     async def run(self) -> RunResult:
@@ -323,7 +327,9 @@ class Extraction:
                 for q in commit.quarantine:
                     p.quarantined[q.reason] += 1
                 if commit.consistency is not None:  # an earlier process's checks count too
-                    self.consistency_gate.add(len(commit.consistency["checked"]), len(commit.consistency["failed"]))
+                    self.consistency_gate.add(
+                        len(commit.consistency["checked"]), len(commit.consistency["failed"])
+                    )
 
     def describe(
         self, tok: ChatTokenizer, shape: ModelShape, plan: ShardPlan, engine: tuple[str, str]
