@@ -407,7 +407,8 @@ class NodeAgent:
         if "exec" in action:
             if c.proc is None:
                 return False
-            argv = ["nsenter", "-t", str(c.proc.pid), "-m", "-n", "-u", "--", *action["exec"]["command"]]
+            as_user = c.identity.setpriv_argv() if c.identity is not None else []
+            argv = ["nsenter", "-t", str(c.proc.pid), "-m", "-n", "-u", "--", *as_user, *action["exec"]["command"]]
             result = subprocess.run(argv, env=c.env, capture_output=True, timeout=spec.timeout_s)
             return result.returncode == 0
         raise PodSpecError(

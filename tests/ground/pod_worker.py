@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from tests.ground import podnet
 from tests.ground.podspec import (
     ContainerStatus,
+    Identity,
     PodSpecError,
     PodView,
     ProbeSpec,
@@ -30,12 +31,14 @@ from tests.ground.podspec import (
     container_env,
     downward_files,
     exit_code_of,
+    identity,
     is_sidecar,
     key_files,
     now_rfc3339,
     parse_quantity,
     pod_status,
     should_restart,
+    traversal_barrier,
 )
 from tests.ground.rest import ApiError
 
@@ -63,6 +66,11 @@ def image_roots() -> list[Path]:
 def covers(mount_path: str, path: Path) -> bool:
     """Whether a volume mounted at ``mount_path`` hides ``path``."""
     return Path(mount_path) == path or Path(mount_path) in path.parents
+
+
+def _stat_triple(path: str) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_mode, st.st_uid, st.st_gid
 
 
 def run_quiet(argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -95,6 +103,7 @@ class Container:
     pull_tries: int = 0
     restart_pending: bool = False
     termination_file: Path | None = None  # host file bound at the spec's terminationMessagePath
+    identity: Identity | None = None  # the user its process runs as (securityContext), once started
 
     @property
     def name(self) -> str:
@@ -246,6 +255,7 @@ class PodWorker(threading.Thread):
                 raise PodSpecError("ContainerCreating", f"hostPath {host} does not exist")
             return host
         target.mkdir(parents=True, exist_ok=True)
+        fs_group = (self.pod["spec"].get("securityContext") or {}).get("fsGroup")
         if "emptyDir" in volume:
             source = volume["emptyDir"] or {}
             if source.get("medium") == "Memory":
@@ -255,6 +265,10 @@ class PodWorker(threading.Thread):
                 if result.returncode != 0:
                     raise PodSpecError("ContainerCreating", f"emptyDir {name}: {result.stderr.strip()}")
                 self.memory_mounts.append(target)
+            # As the kubelet makes it: 0777, and with an fsGroup owned by it, setgid.
+            if fs_group is not None:
+                os.chown(target, -1, int(fs_group))
+            target.chmod(0o2777 if fs_group is not None else 0o777)
             return target
         files = self._volume_files(volume)
         for item in files:
@@ -262,6 +276,9 @@ class PodWorker(threading.Thread):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(item.content)
             path.chmod(item.mode)
+            if fs_group is not None:  # the kubelet's volume ownership: group fsGroup, group-readable
+                os.chown(path, -1, int(fs_group))
+                path.chmod(item.mode | 0o440)
         return target
 
     def _volume_files(self, volume: dict) -> list[VolumeFile]:
@@ -420,16 +437,18 @@ class PodWorker(threading.Thread):
                 f"image {c.spec.get('image')!r} is not registered with the test node agent (node_agent.register_image)",
             )
         pod = self._pod_with_ip()
+        ident = identity(self.pod["spec"], c.spec)
         env = container_env(
             c.spec,
             pod,
             configmap=lambda n: self.agent.configmap(self.namespace, n),
             secret=lambda n: self.agent.secret(self.namespace, n),
-            base=self.agent.base_env(self.pod_name),
+            base={**self.agent.base_env(self.pod_name), "HOME": ident.home},
         )
         argv = container_argv(c.spec, env, rewrite(c.spec, pod))
         c.termination_file = self._fresh_termination_file(c)
-        script = self._mount_script(c)
+        c.identity = ident
+        script = self._mount_script(c, ident)
         launcher = [
             shutil.which("ip") or "ip",
             *("netns", "exec", self.netns),
@@ -439,6 +458,7 @@ class PodWorker(threading.Thread):
             "-c",
             script,
             "sh",
+            *ident.setpriv_argv(),
             *argv,
         ]
         with c.log_path.open("ab") as log_file:
@@ -469,20 +489,37 @@ class PodWorker(threading.Thread):
         if not any(p.kind == "readiness" for p in c.probes):
             status.ready = status.started
 
-    def _mount_script(self, c: Container) -> str:
-        """Shell run inside the container's fresh mount namespace: bind the volumes, cd, exec the argv."""
+    def _mount_script(self, c: Container, ident: Identity) -> str:
+        """Shell run as root inside the container's fresh mount namespace: bind the volumes, cd, then
+        exec the argv ("$@", which starts with the setpriv that becomes the container's user)."""
         mounts = list(c.spec.get("volumeMounts", []))
         lines = ["set -e", f"hostname {shlex.quote(self.pod_name[:63])}"]
         placed: list[str] = []
+        roots = image_roots()
+        # A real image's files are world-readable; here the interpreter may sit under /root (0700).
+        # A non-root user gets an empty, searchable directory over such an ancestor ("veil"), with the
+        # image's directories bound back inside it. Nothing else of the host's /root shows.
+        veils = sorted(
+            {b for r in roots if (b := traversal_barrier(str(r), ident, _stat_triple)) is not None}
+        )
         # Every container's "image" is this checkout and its interpreter. A volume over one of their
         # ancestors (the chart's emptyDir at /tmp, with the clone under /tmp) must not hide the program:
         # bind them aside first (a bind's source must be visible in the namespace), then back over it.
         stashed: dict[Path, Path] = {}
-        for i, root in enumerate(image_roots()):
-            if any(covers(m["mountPath"], root) for m in mounts):
+        for i, root in enumerate(roots):
+            if any(covers(m["mountPath"], root) for m in mounts) or any(covers(v, root) for v in veils):
                 stashed[root] = self.pod_dir / "image" / str(i)
                 stashed[root].mkdir(parents=True, exist_ok=True)
                 lines.append(f"mount --bind {shlex.quote(str(root))} {shlex.quote(str(stashed[root]))}")
+        for i, veil in enumerate(veils):
+            empty = self.pod_dir / "veil" / str(i)
+            empty.mkdir(parents=True, exist_ok=True)
+            empty.chmod(0o755)
+            lines.append(f"mount --bind {shlex.quote(str(empty))} {shlex.quote(veil)}")
+            for root, stash in stashed.items():
+                if covers(veil, root):
+                    lines.append(f"mkdir -p {shlex.quote(str(root))}")
+                    lines.append(f"mount --bind {shlex.quote(str(stash))} {shlex.quote(str(root))}")
         for mount in sorted(mounts, key=lambda m: m["mountPath"].rstrip("/").count("/")):
             name = mount["name"]
             if name not in self.volume_dirs:
@@ -517,6 +554,9 @@ class PodWorker(threading.Thread):
             if not any(working_dir.startswith(p.rstrip("/") + "/") or working_dir == p for p in placed):
                 self.agent.host_dirs.ensure(Path(working_dir), False)
             lines.append(f"mkdir -p {shlex.quote(working_dir)} && cd {shlex.quote(working_dir)}")
+        if ident.read_only_root:
+            # Only the root mount: volumes, /dev, /proc and the termination file are mounts of their own.
+            lines.append("mount -o remount,bind,ro /")
         lines.append('exec "$@"')
         return "\n".join(lines)
 
@@ -525,6 +565,7 @@ class PodWorker(threading.Thread):
         path = self.pod_dir / "termination" / f"{c.name}-{c.status.restart_count}"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"")
+        path.chmod(0o666)  # as the kubelet's: writable by whatever user the container runs as
         return path
 
     def _termination_message(self, c: Container, exit_code: int) -> str:

@@ -176,6 +176,105 @@ def container_argv(container: Mapping, env: Mapping[str, str], rewritten: list[s
     return [expand_refs(str(part), env) for part in [*command, *(container.get("args") or [])]]
 
 
+# What containerd gives a container unless its securityContext says otherwise.
+DEFAULT_CAPABILITIES = frozenset(
+    {
+        "AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD", "NET_BIND_SERVICE",
+        "NET_RAW", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT",
+    }
+)  # fmt: skip
+# Every test image runs as root unless the pod says otherwise; a uid without a passwd entry gets
+# group 0 and HOME=/ (containerd's fallbacks).
+IMAGE_USER = 0
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a container's process is: the kubelet's merge of the pod's and the container's securityContext."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...]  # supplementary: fsGroup, then supplementalGroups
+    capabilities: frozenset[str]  # bounding set; a non-root uid holds none of them after exec
+    no_new_privs: bool
+    read_only_root: bool
+
+    @property
+    def home(self) -> str:
+        return "/root" if self.uid == 0 else "/"
+
+    def setpriv_argv(self) -> list[str]:
+        """The prefix that makes an exec (as root) become this identity, as a container runtime does."""
+        groups = f"--groups={','.join(map(str, self.groups))}" if self.groups else "--clear-groups"
+        caps = ",".join(["-all", *(f"+{c.lower()}" for c in sorted(self.capabilities))])
+        argv = ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", groups]
+        argv += [f"--bounding-set={caps}", "--inh-caps=-all"]
+        if self.no_new_privs:
+            argv.append("--no-new-privs")
+        return [*argv, "--"]
+
+
+def identity(pod_spec: Mapping, container: Mapping) -> Identity:
+    """The container's identity; refuses what the kubelet refuses (runAsNonRoot with a root user)."""
+    pod_ctx = pod_spec.get("securityContext") or {}
+    ctx = container.get("securityContext") or {}
+
+    def pick(key: str) -> object:
+        return ctx[key] if ctx.get(key) is not None else pod_ctx.get(key)
+
+    uid_set = pick("runAsUser")
+    uid = IMAGE_USER if uid_set is None else int(str(uid_set))
+    if pick("runAsNonRoot") and uid == 0:
+        detail = "runAsUser 0" if uid_set is not None else "the image's user, root"
+        raise PodSpecError(
+            "CreateContainerConfigError",
+            f"container {container.get('name')!r} has runAsNonRoot and would run as root ({detail})",
+        )
+    gid_set = pick("runAsGroup")
+    gid = 0 if gid_set is None else int(str(gid_set))
+    fs_group = pod_ctx.get("fsGroup")
+    groups = [int(fs_group)] if fs_group is not None else []
+    groups += [int(g) for g in pod_ctx.get("supplementalGroups") or [] if int(g) not in groups]
+    if ctx.get("privileged"):
+        raise PodSpecError("CreateContainerConfigError", "privileged containers are not supported by the test node")
+    caps_spec = ctx.get("capabilities") or {}
+    drop = {str(c).upper().removeprefix("CAP_") for c in caps_spec.get("drop") or []}
+    add = {str(c).upper().removeprefix("CAP_") for c in caps_spec.get("add") or []}
+    if "ALL" in add:
+        raise PodSpecError("CreateContainerConfigError", "capabilities.add [ALL] is not supported by the test node")
+    caps = (set() if "ALL" in drop else set(DEFAULT_CAPABILITIES) - drop) | add
+    return Identity(
+        uid=uid,
+        gid=gid,
+        groups=tuple(groups),
+        capabilities=frozenset(caps),
+        no_new_privs=ctx.get("allowPrivilegeEscalation") is False,
+        read_only_root=bool(ctx.get("readOnlyRootFilesystem")),
+    )
+
+
+def traversal_barrier(path: str, ident: Identity, stat_of: Callable[[str], tuple[int, int, int]]) -> str | None:
+    """The outermost ancestor of ``path`` that ``ident`` may not search (no x bit for it), or None.
+
+    ``stat_of(dir)`` gives (mode, uid, gid). DAC_OVERRIDE / DAC_READ_SEARCH would let root pass; the
+    pods here drop them, so only the mode bits count."""
+    if ident.uid == 0 and {"DAC_OVERRIDE", "DAC_READ_SEARCH"} & ident.capabilities:
+        return None
+    parts = [p for p in path.split("/") if p]
+    for depth in range(1, len(parts)):
+        ancestor = "/" + "/".join(parts[:depth])
+        mode, owner, group = stat_of(ancestor)
+        if owner == ident.uid:
+            bit = 0o100
+        elif group == ident.gid or group in ident.groups:
+            bit = 0o010
+        else:
+            bit = 0o001
+        if not mode & bit:
+            return ancestor
+    return None
+
+
 def decoded_secret_data(secret: Mapping) -> dict[str, bytes]:
     """A Secret's data (base64) and stringData as bytes."""
     data = {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}

@@ -603,3 +603,73 @@ def test_volumes_over_the_checkout_do_not_hide_the_program(kube_cluster, node, n
     )
     assert pod_phase(kube_cluster, namespace, "covered") == "Succeeded", node.logs(namespace, "covered", "c")
     assert node.logs(namespace, "covered", "c").strip() == "ok"
+
+
+def test_security_context_is_honoured(kube_cluster, node, namespace, tmp_path):
+    """runAsUser/runAsGroup/fsGroup, dropped capabilities, no-new-privs and a read-only root filesystem
+    hold for the container's process, checked by the kernel as in a real runtime."""
+    host_dir = tmp_path / "root-owned"  # a hostPath as the kubelet makes one: root's, 0755
+    host_dir.mkdir(mode=0o755)  # bound at /host: its own mode counts, not its ancestors'
+    code = """
+        import json, os
+        status = dict(line.split(":\\t", 1) for line in open("/proc/self/status").read().splitlines() if ":\\t" in line)
+
+        def writes(path):
+            try:
+                open(path, "w").close()
+                return "ok"
+            except OSError as exc:
+                return os.strerror(exc.errno)
+
+        st = os.stat("/scratch")
+        print(json.dumps({
+            "ids": [os.getuid(), os.getgid(), sorted(os.getgroups())],
+            "cap_eff": status["CapEff"].strip(), "cap_bnd": status["CapBnd"].strip(),
+            "no_new_privs": status["NoNewPrivs"].strip(), "home": os.environ["HOME"],
+            "scratch": [oct(st.st_mode & 0o7777), st.st_gid, writes("/scratch/x")],
+            "host_dir": writes("/host/x"), "root_fs": writes("/var/tmp/hsx-sc-probe"),
+        }))
+    """
+    container = {
+        "name": "c",
+        "image": IMAGE,
+        "command": python(code),
+        "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}, {"name": "host", "mountPath": "/host"}],
+        "securityContext": {
+            "runAsUser": 65532,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    volumes = [
+        {"name": "scratch", "emptyDir": {}},
+        {"name": "host", "hostPath": {"path": str(host_dir), "type": "Directory"}},
+    ]
+    context = {"runAsGroup": 3000, "fsGroup": 2000, "supplementalGroups": [4000]}
+    root_only = {"name": "c", "image": IMAGE, "command": ["true"], "securityContext": {"runAsNonRoot": True}}
+    apply(
+        kube_cluster,
+        pod_manifest("restricted", namespace, [container], volumes=volumes, securityContext=context),
+        pod_manifest("nonroot", namespace, [root_only]),
+    )
+    wait_for(
+        lambda: pod_phase(kube_cluster, namespace, "restricted") in ("Succeeded", "Failed"), 90, "the pod to end"
+    )
+    logs = node.logs(namespace, "restricted", "c")
+    assert pod_phase(kube_cluster, namespace, "restricted") == "Succeeded", logs
+    seen = json.loads(logs.strip().splitlines()[-1])
+    assert seen["ids"] == [65532, 3000, [2000, 4000]]
+    assert seen["cap_eff"] == seen["cap_bnd"] == "0000000000000000" and seen["no_new_privs"] == "1"
+    assert seen["home"] == "/"
+    assert seen["scratch"] == ["0o2777", 2000, "ok"]  # emptyDir: 0777, fsGroup's, setgid
+    assert seen["host_dir"] == "Permission denied"  # hostPath ownership is the node's, fsGroup or not
+    assert seen["root_fs"] == "Read-only file system"
+
+    def refused() -> dict | None:
+        statuses = get_json(kube_cluster, "pod", "nonroot", "-n", namespace)["status"].get("containerStatuses")
+        waiting = ((statuses or [{}])[0].get("state") or {}).get("waiting") or {}
+        return waiting if waiting.get("reason") == "CreateContainerConfigError" else None
+
+    waiting = wait_for(refused, 60, "the runAsNonRoot pod to be refused")
+    assert "runAsNonRoot" in waiting["message"] and "root" in waiting["message"]

@@ -21,12 +21,14 @@ from tests.ground.podspec import (
     exit_code_of,
     expand_refs,
     field_value,
+    identity,
     key_files,
     parse_quantity,
     pod_phase,
     pod_status,
     resolve_port,
     should_restart,
+    traversal_barrier,
 )
 from tests.ground.tools import ToolMissing, candidate_paths, module_version, tool_path
 
@@ -241,3 +243,48 @@ def test_kubebuilder_assets_win(tmp_path, monkeypatch):
     fake.chmod(0o755)
     monkeypatch.setenv("KUBEBUILDER_ASSETS", str(tmp_path))
     assert tool_path("etcd") == fake
+
+
+def test_identity_merges_pod_and_container_security_contexts():
+    pod = {"securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 2000, "supplementalGroups": [2000, 5]}}
+    container = {"name": "c", "securityContext": {"runAsUser": 65532, "capabilities": {"drop": ["ALL"], "add": ["NET_RAW"]}}}
+    ident = identity(pod, container)
+    assert (ident.uid, ident.gid, ident.groups) == (65532, 1000, (2000, 5))
+    assert ident.capabilities == {"NET_RAW"} and not ident.no_new_privs and not ident.read_only_root
+    assert ident.setpriv_argv() == [
+        "setpriv", "--reuid=65532", "--regid=1000", "--groups=2000,5", "--bounding-set=-all,+net_raw",
+        "--inh-caps=-all", "--",
+    ]  # fmt: skip
+    plain = identity({}, {"name": "c"})
+    assert (plain.uid, plain.gid, plain.groups, plain.home) == (0, 0, (), "/root")
+    assert "DAC_OVERRIDE" in plain.capabilities and "--clear-groups" in plain.setpriv_argv()
+    strict = identity({}, {"name": "c", "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["cap_chown"]}}})
+    assert strict.no_new_privs and "CHOWN" not in strict.capabilities and "KILL" in strict.capabilities
+
+
+@pytest.mark.parametrize(
+    ("pod_ctx", "ctx"),
+    [({"runAsNonRoot": True}, {}), ({}, {"runAsNonRoot": True, "runAsUser": 0}), ({"runAsNonRoot": True, "runAsUser": 0}, {})],
+)
+def test_run_as_non_root_refuses_a_root_user(pod_ctx, ctx):
+    with pytest.raises(PodSpecError) as err:
+        identity({"securityContext": pod_ctx}, {"name": "c", "securityContext": ctx})
+    assert err.value.reason == "CreateContainerConfigError" and "runAsNonRoot" in str(err.value)
+    # A user given anywhere satisfies it.
+    assert identity({"securityContext": {**pod_ctx, "runAsUser": 7}}, {"name": "c", "securityContext": {**ctx, "runAsUser": 7}}).uid == 7
+
+
+def test_traversal_barrier_finds_the_outermost_unsearchable_ancestor():
+    modes = {"/root": (0o40700, 0, 0), "/root/.pyenv": (0o40755, 0, 0), "/work": (0o40750, 0, 3000)}
+    stat = lambda path: modes.get(path, (0o40755, 0, 0))  # noqa: E731
+    user = identity({}, {"name": "c", "securityContext": {"runAsUser": 65532}})
+    assert traversal_barrier("/root/.pyenv/versions/3.11/bin", user, stat) == "/root"
+    assert traversal_barrier("/usr/lib/python3", user, stat) is None
+    assert traversal_barrier("/work/main", user, stat) == "/work"
+    member = identity({"securityContext": {"runAsUser": 65532, "fsGroup": 3000}}, {"name": "c"})
+    assert traversal_barrier("/work/main", member, stat) is None  # group bits
+    capless_root = identity({}, {"name": "c", "securityContext": {"capabilities": {"drop": ["ALL"]}}})
+    assert traversal_barrier("/root/.pyenv", capless_root, stat) is None  # the owner
+    assert traversal_barrier("/work/main", capless_root, stat) is None  # the owner too
+    plain_root = identity({}, {"name": "c"})
+    assert traversal_barrier("/srv", plain_root, lambda p: (0o40000, 5, 5)) is None  # DAC_OVERRIDE

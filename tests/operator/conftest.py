@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from hsx_operator.desired import EXTRACTOR_UID
 from tests.operator.kube_helpers import Namespace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,6 +63,7 @@ def operator_kubeconfig(xj_crd: Any) -> Path:
 def op_workdir() -> Iterator[Path]:
     # Not under /tmp: the extractor container mounts its own /tmp over it.
     path = Path(tempfile.mkdtemp(prefix="hsx-operator-tests-", dir="/var/tmp"))
+    path.chmod(0o755)  # mkdtemp's 0700 would lock the pods' non-root users out of what lies below
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -103,7 +105,11 @@ def ns(xj_crd: Any, namespace: str, request: pytest.FixtureRequest, node_agent: 
 def run_env(
     hsx_node: Any, tiny_model: Path, chat_dataset: Path, op_workdir: Path, namespace: str
 ) -> dict[str, Any]:
+    # The admin's step for a node-local output (docs/guide.md): a directory the extractor's user owns.
+    # The kubelet would make a missing one root's, and the run would fail PreflightFailed.
     out = op_workdir / "out" / namespace
+    out.mkdir(parents=True, exist_ok=True)
+    os.chown(out, EXTRACTOR_UID, EXTRACTOR_UID)
     return {"model_root": tiny_model.parent, "dataset": chat_dataset, "output": out}
 
 

@@ -207,6 +207,21 @@ def test_a_missing_dataset_fails_in_preflight_before_the_server_starts(
     assert hsx_node.logs(ns.name, pod["metadata"]["name"], "sglang") == ""
 
 
+def test_an_output_directory_the_extractor_cannot_write_fails_in_preflight(
+    ns: Namespace, run_env: dict[str, Any], start_operator: Callable[[], OperatorProcess]
+) -> None:
+    # What the kubelet makes for a missing hostPath (DirectoryOrCreate): root's, 0755. The extractor
+    # runs as uid 65532 without capabilities (the node agent honours the pod's securityContext).
+    start_operator()
+    root_owned = run_env["output"].parent / f"{ns.name}-root-owned"
+    ns.apply(xj_manifest("rootout", "r1", **{**run_env, "output": root_owned}))
+    failed = wait_for(phase(ns, "rootout", "Failed"), 120, "the run to fail in preflight")
+    assert failed["reason"] == "PreflightFailed", failed
+    assert f"output directory {root_owned}/r1 is not writable by this process (uid 65532" in failed["message"]
+    assert "install -d -o 65532 -g 65532 DIR" in failed["message"], failed["message"]
+    assert root_owned.stat().st_uid == 0 and not (root_owned / "r1").exists()
+
+
 def test_a_hundred_character_name_reconciles_and_deletes(
     ns: Namespace, run_env: dict[str, Any], start_operator: Callable[[], OperatorProcess]
 ) -> None:

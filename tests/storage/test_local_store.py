@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -229,3 +232,27 @@ def test_a_reused_spool_file_holds_only_the_new_shard(tmp_path: Path) -> None:
     late.abort()  # after the store closed: its file is closed, not kept
     with pytest.raises(OSError):
         os.fstat(late_fd)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_an_output_directory_the_writer_cannot_write_fails_at_open_naming_the_fix(tmp_path: Path) -> None:
+    # As in the pod: the kubelet's hostPath directory is not the extractor's, and no capability
+    # (DAC_OVERRIDE) lets it write anyway. Here root without capabilities, in its own 0555 directory.
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o555)
+    code = (
+        "from hsx_extractor.config import OutputSpec; from hsx_extractor.storage.store import open_store; "
+        f"open_store(OutputSpec.model_validate({{'uri': {str(out)!r}}}), 'r1', writing=WRITING)"
+    )
+    capless = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--"]
+
+    def run(writing: bool) -> subprocess.CompletedProcess[str]:
+        argv = [*capless, sys.executable, "-c", code.replace("WRITING", str(writing))]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+    refused = run(True)
+    assert refused.returncode != 0 and "PermanentStoreError" in refused.stderr, refused.stderr
+    assert f"output directory {out}/r1 is not writable by this process (uid 0, gid 0)" in refused.stderr
+    assert "install -d -o 0 -g 0 DIR" in refused.stderr
+    assert run(False).returncode == 0  # readers (hsx verify, the trainer's dataset) write nothing

@@ -147,6 +147,24 @@ class LocalBackend:
         with contextlib.suppress(FileNotFoundError):
             self._path(key).unlink()
 
+    def probe_writable(self, prefix: str) -> None:
+        """Fail at once, naming the fix, when this process cannot create files under ``prefix``.
+
+        In a pod the output directory is a hostPath the kubelet makes as root, 0755, whatever the
+        pod's fsGroup: the extractor's user cannot write there unless the node's admin made it so."""
+        directory = self._path(prefix)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=directory, prefix=".hsx-probe-"):
+                pass
+        except OSError as exc:
+            uid, gid = os.getuid(), os.getgid()
+            raise PermanentStoreError(
+                f"output directory {directory} is not writable by this process (uid {uid}, gid {gid}): "
+                f"{exc.strerror}; on the node, make the output directory writable by that user "
+                f"(install -d -o {uid} -g {gid} DIR), or use an s3:// output"
+            ) from exc
+
     def abort_uploads(self, prefix: str) -> int:
         # Temp files of writers killed mid-write; a live writer's temp file vanishes on link anyway.
         path = self._path(prefix)
