@@ -215,7 +215,9 @@ def to_specforge(rec: SampleRecord) -> dict[str, torch.Tensor]:
     import torch
 
     def bf16(bits: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(bits.astype(np.int16, copy=True)).view(torch.bfloat16).unsqueeze(0)
+        # Decoded arrays are the sample's own: viewed, not copied (torch needs them writable).
+        own = bits if bits.flags.writeable and bits.flags.c_contiguous else bits.copy()
+        return torch.from_numpy(own.view(np.int16)).view(torch.bfloat16).unsqueeze(0)
 
     return {
         "input_ids": torch.from_numpy(rec.input_ids.astype(np.int64)),
