@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from hsx_extractor.storage.shard_format import SampleRecord
 from hsx_extractor.storage.store import open_store
 
 BIN = Path(sys.executable).parent
+SEED_ENV = "HSX_FAULT_SEED"
 HSX = str(BIN / "hsx")
 LISTENING = "hsx reference server listening on "
 
@@ -121,3 +123,12 @@ def stored(output: dict[str, Any], run_id: str) -> tuple[dict[int, SampleRecord]
 
 def committed_count(output: dict[str, Any], run_id: str) -> int:
     return len(open_store(OutputSpec.model_validate(output), run_id).committed_shards())
+
+
+def fault_seed(test: str) -> int:
+    """A new seed each run (so runs explore new kill points), or ``$HSX_FAULT_SEED`` to replay one.
+    Printed, so a failing run's captured output names the seed that reproduces it."""
+    given = os.environ.get(SEED_ENV)
+    seed = int(given) if given else secrets.randbits(32)
+    print(f"{test} seed {seed} (replay: {SEED_ENV}={seed} pytest ...)", flush=True)
+    return seed

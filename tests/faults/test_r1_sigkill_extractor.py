@@ -17,6 +17,7 @@ from hsx_extractor.run.sources import iter_rows
 from tests.faults.helpers import (
     RefServerProcess,
     committed_count,
+    fault_seed,
     free_port,
     hsx_verify,
     sigkill,
@@ -26,7 +27,6 @@ from tests.faults.helpers import (
 from tests.run.helpers import chat_rows, write_jsonl
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
-SEED = 20261202_01
 KILLS = 20
 ROWS = 160
 
@@ -42,8 +42,7 @@ def progress_state(port: int) -> str | None:
 def test_sigkill_at_random_points_loses_and_duplicates_nothing(
     tmp_path: Path, fault_model: Path, fault_tokenizer: Any, s3_env: Any, s3_bucket: str
 ) -> None:
-    rng = random.Random(SEED)
-    print(f"R1 seed {SEED}")
+    rng = random.Random(fault_seed("R1"))
     rows: list[Any] = [*chat_rows(ROWS, words=30), "{not json", {"id": "empty", "messages": []}]
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)
     server = RefServerProcess(fault_model, tmp_path / "dumps", free_port(), tmp_path / "server.log",

@@ -10,24 +10,23 @@ from typing import Any
 
 import pytest
 
-from tests.faults.helpers import RefServerProcess, free_port, hsx_verify, start_extract, stored
+from tests.faults.helpers import RefServerProcess, fault_seed, free_port, hsx_verify, start_extract, stored
 from tests.run.helpers import chat_rows, write_jsonl
 from tests.storage.faultproxy import FAULTS, FaultPlan, FaultProxy
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
-SEED = 20261202_02
 ROWS = 120
 
 
 def test_extract_through_s3_faults_completes_and_verifies(
     tmp_path: Path, fault_model: Path, s3_env: Any, s3_bucket: str
 ) -> None:
-    print(f"R2 fault proxy seed {SEED}")
+    seed = fault_seed("R2 fault proxy")
     local = write_jsonl(tmp_path / "d.jsonl", [*chat_rows(ROWS, words=30), {"id": "e", "messages": []}])
     s3_env.client().upload_file(str(local), s3_bucket, "datasets/chat.jsonl")
     server = RefServerProcess(fault_model, tmp_path / "dumps", free_port(), tmp_path / "server.log")
     server.start()
-    plan = FaultPlan(seed=SEED, rate=0.1, faults=FAULTS, slow_seconds=0.3)
+    plan = FaultPlan(seed=seed, rate=0.1, faults=FAULTS, slow_seconds=0.3)
     try:
         with FaultProxy(s3_env.endpoint, plan) as proxy:
             output = {"uri": f"s3://{s3_bucket}/r2", "endpoint": proxy.endpoint, "pathStyle": True,

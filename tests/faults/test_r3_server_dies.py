@@ -6,6 +6,7 @@ same process if the client's retries bridge the gap, else after a resume)."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,10 @@ from hsx_extractor.config import ExtractConfig
 from hsx_extractor.contract import EXIT_OK, EXIT_TRANSIENT
 from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.runner import extract
-from tests.faults.helpers import RefServerProcess, free_port, hsx_verify, stored
+from tests.faults.helpers import RefServerProcess, fault_seed, free_port, hsx_verify, stored
 from tests.run.helpers import chat_rows, write_jsonl
 
 pytestmark = pytest.mark.slow
-SEED = 20261202_03
 ROWS = 80
 
 
@@ -45,13 +45,15 @@ def run_once(cfg: dict[str, Any]) -> int:
     return code
 
 
-async def run_and_kill_server(cfg: dict[str, Any], server: RefServerProcess, down_s: float) -> tuple[int, int]:
-    """Run; once requests are in flight and some samples are done, SIGKILL the server, keep it
-    down ``down_s`` seconds, restart it. Returns (exit code, requests in flight at the kill)."""
+async def run_and_kill_server(
+    cfg: dict[str, Any], server: RefServerProcess, after_samples: int, down_s: float
+) -> tuple[int, int]:
+    """Run; once requests are in flight and ``after_samples`` samples are done, SIGKILL the server,
+    keep it down ``down_s`` seconds, restart it. Returns (exit code, requests in flight at the kill)."""
     progress = Progress(cfg["runId"], 0)
     task = asyncio.create_task(extract(ExtractConfig.model_validate(cfg), progress))
     deadline = time.monotonic() + 120
-    while not (progress.samples_done >= 10 and progress.snapshot()["requestsInFlight"] >= 2):
+    while not (progress.samples_done >= after_samples and progress.snapshot()["requestsInFlight"] >= 2):
         assert not task.done() and time.monotonic() < deadline, "the run ended before the server could be killed"
         await asyncio.sleep(0.01)
     in_flight = progress.snapshot()["requestsInFlight"]
@@ -63,7 +65,8 @@ async def run_and_kill_server(cfg: dict[str, Any], server: RefServerProcess, dow
 
 
 def test_server_killed_with_requests_in_flight(tmp_path: Path, fault_model: Path) -> None:
-    print(f"R3 seed {SEED}")
+    rng = random.Random(fault_seed("R3"))
+    after_samples, down_s = rng.randint(5, 30), round(rng.uniform(0.3, 2.0), 2)
     dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(ROWS, words=25))
     server = RefServerProcess(fault_model, tmp_path / "dumps", free_port(), tmp_path / "server.log",
                               "--delay-ms", "100")
@@ -72,8 +75,9 @@ def test_server_killed_with_requests_in_flight(tmp_path: Path, fault_model: Path
         clean = config(tmp_path, fault_model, dataset, server.url, "clean")
         assert run_once(clean) == EXIT_OK
         hit = config(tmp_path, fault_model, dataset, server.url, "hit")
-        code, in_flight = asyncio.run(run_and_kill_server(hit, server, down_s=1.0))
-        print(f"killed the server with {in_flight} requests in flight; the run exited {code}")
+        code, in_flight = asyncio.run(run_and_kill_server(hit, server, after_samples, down_s))
+        print(f"killed the server after {after_samples} samples with {in_flight} requests in flight, down "
+              f"{down_s} s; the run exited {code}")
         assert in_flight >= 2
         assert code in (EXIT_OK, EXIT_TRANSIENT)
         resumes = 0

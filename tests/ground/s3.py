@@ -116,6 +116,9 @@ class S3Server:
         return name
 
 
+START_ATTEMPTS = 3
+
+
 def _wait_ready(server: S3Server, proc: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     last: Exception | None = None
@@ -167,34 +170,46 @@ def start_s3_server(workdir: Path) -> Iterator[S3Server]:
             }
         )
     )
-    ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS)), strict=True))
-    args = [
-        weed_binary(),
-        "mini",
-        f"-dir={data}",
-        f"-ip={HOST}",
-        f"-ip.bind={HOST}",
-        f"-s3.config={config}",
-        "-webdav=false",
-        "-admin.ui=false",
-        "-s3.port.iceberg=0",
-        "-s3.port.lance=0",
-        "-master.volumeSizeLimitMB=64",
-        *(f"-{flag}={port}" for flag, port in ports.items()),
-    ]
     log = workdir / "weed.log"
-    with open(log, "wb") as log_file:
-        proc = subprocess.Popen(
-            args,
-            cwd=workdir,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    server = S3Server(f"http://{HOST}:{ports['s3.port']}", access_key, secret_key, REGION)
+    # Free ports are only free when probed: another process (a pod, the control plane) may take one
+    # before weed binds it. weed then exits at once saying so; try again with new ports.
+    for attempt in range(START_ATTEMPTS):
+        ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS)), strict=True))
+        args = [
+            weed_binary(),
+            "mini",
+            f"-dir={data}",
+            f"-ip={HOST}",
+            f"-ip.bind={HOST}",
+            f"-s3.config={config}",
+            "-webdav=false",
+            "-admin.ui=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-master.volumeSizeLimitMB=64",
+            *(f"-{flag}={port}" for flag, port in ports.items()),
+        ]
+        with open(log, "wb") as log_file:
+            proc = subprocess.Popen(
+                args,
+                cwd=workdir,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        server = S3Server(f"http://{HOST}:{ports['s3.port']}", access_key, secret_key, REGION)
+        try:
+            _wait_ready(server, proc, log)
+            break
+        except RuntimeError:
+            _stop(proc)
+            if attempt + 1 == START_ATTEMPTS or "Port allocation failed" not in log.read_text():
+                shutil.rmtree(workdir, ignore_errors=True)
+                raise
+            shutil.rmtree(data, ignore_errors=True)
+            data.mkdir()
     try:
-        _wait_ready(server, proc, log)
         yield server
     finally:
         _stop(proc)

@@ -50,6 +50,7 @@ from hsx_extractor.run.sources import iter_rows
 from hsx_extractor.run.tokens import ChatTokenizer, TokenizerError
 from hsx_extractor.run.validate import MismatchGate
 from hsx_extractor.sglang_hook.launch import HOOK_PRODUCER, SGLANG_VERSION
+from hsx_extractor.storage import failpoints
 from hsx_extractor.storage.commit_record import ShardCommit
 from hsx_extractor.storage.manifest import Capture
 from hsx_extractor.storage.shard_format import STATES_DTYPE
@@ -212,6 +213,7 @@ class Extraction:
         if stored is None:
             plan = await asyncio.to_thread(self.compute_plan, tok, shape)
             stored = await asyncio.to_thread(store.put_json_if_absent, PLAN_NAME, plan.to_json())
+            failpoints.reach("plan-written")
         try:
             plan = ShardPlan.from_json(stored)
             plan.check_identity(identity)

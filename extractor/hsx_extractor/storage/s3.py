@@ -18,6 +18,7 @@ import botocore.config
 import botocore.exceptions
 
 from hsx_extractor.config import OutputSpec
+from hsx_extractor.storage import failpoints
 from hsx_extractor.storage.backends import ObjectSource, PermanentStoreError, TransientStoreError
 from hsx_extractor.storage.layout import InvalidKeyError, parse_output_uri, validate_prefix
 from hsx_extractor.storage.s3_client import (
@@ -112,6 +113,7 @@ class MultipartUploader:
         upload_id = created["UploadId"]
         try:
             parts = self._upload_parts(key, upload_id, source)
+            failpoints.reach("parts-uploaded")
             outcome = self._complete(key, upload_id, parts)
         except BaseException:
             self._abort(key, upload_id)
@@ -143,6 +145,7 @@ class MultipartUploader:
                 resp = self._retrier.call("UploadPart", key, send, passthrough=(NO_UPLOAD,))
             except botocore.exceptions.ClientError as exc:
                 raise _RestartUpload() from exc
+            failpoints.reach("part-uploaded")
             return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32": resp["ChecksumCRC32"]}
 
         futures = [self._parts.submit(upload, n + 1, off) for n, off in enumerate(offsets)]

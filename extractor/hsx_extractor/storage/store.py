@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hsx_extractor.config import OutputSpec
+from hsx_extractor.storage import failpoints
 from hsx_extractor.storage.backends import (
     Backend,
     LocalBackend,
@@ -255,9 +256,11 @@ class Store:
         metadata = {"hsx-checksum": commit.checksum, "hsx-format": "hsx-shard/1"}
         if not self.backend.upload_if_absent(commit.key, source, metadata):
             self._check_same_shard(commit)
+        failpoints.reach("shard-uploaded")
         record = canonical_json(commit.to_json())
         commit_key = self.layout.commit_key(commit.shard_index)
         if self.backend.put_if_absent(commit_key, record):
+            failpoints.reach("record-written")
             return
         existing = self.backend.get(commit_key)
         try:
@@ -392,6 +395,7 @@ class Store:
         for key in self.unreferenced_shard_objects(commits):  # every shard is committed: garbage
             self.backend.delete(key)
         sections = described() if callable(described) else described
+        failpoints.reach("finalizing")
         manifest = build_manifest(self.layout.run_id, self.output.compression, commits, sections)
         return self.put_json_if_absent(MANIFEST_NAME, manifest)
 
@@ -414,14 +418,16 @@ def open_store(
     """The store of run ``run_id`` under ``output.uri`` (local directory or ``s3://``).
 
     S3: bad credentials or a missing bucket fail here, before any work; a store opened for
-    ``writing`` must also honour ``If-None-Match: *`` (probed), else :class:`PermanentStoreError`.
+    ``writing`` must also honour ``If-None-Match: *`` (probed), else :class:`PermanentStoreError`;
+    a local one must be writable by this process (probed), else the same.
     Readers pass ``writing=False``: they may hold read-only credentials and write nothing."""
     backend, prefix = open_backend(output.uri, output)
     store = Store(backend, RunLayout(prefix, run_id), output, spool_dir)
     preflight = getattr(backend, "preflight", None)
     if preflight is not None:
         preflight(store.layout.root + "/")
-    probe = getattr(backend, "probe_conditional_writes", None)
-    if writing and probe is not None:
-        probe(store.layout.root + "/")
+    for name in ("probe_conditional_writes", "probe_writable"):
+        probe = getattr(backend, name, None)
+        if writing and probe is not None:
+            probe(store.layout.root + "/")
     return store
