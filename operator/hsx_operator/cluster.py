@@ -12,6 +12,8 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import kopf
@@ -43,19 +45,45 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _json(response: Any) -> Any:
-    return json.loads(response.data)
+def server_clock(date_header: str | None, seen_at: float, now_monotonic: float) -> datetime | None:
+    """The API server's time now, from the ``Date`` header of a response received at monotonic
+    ``seen_at`` (1 s resolution); None without a usable header."""
+    if not date_header:
+        return None
+    try:
+        stamped = parsedate_to_datetime(date_header)
+    except (TypeError, ValueError):
+        return None
+    if stamped.tzinfo is None:
+        return None
+    return stamped.astimezone(UTC) + timedelta(seconds=max(0.0, now_monotonic - seen_at))
 
 
 class Cluster:
-    """The few API calls the operator makes, returning plain camelCase dicts."""
+    """The few API calls the operator makes, returning plain camelCase dicts.
+
+    Times compared with the cluster's own timestamps (a Job's creationTimestamp against
+    startupDeadlineSeconds) use :meth:`now`, the API server's clock: a skewed operator node must
+    neither fail a run early nor let a stuck one run on."""
 
     def __init__(self) -> None:
         self.core = kubernetes.client.CoreV1Api()
         self.batch = kubernetes.client.BatchV1Api()
+        self._date: tuple[str, float] | None = None
+
+    def now(self) -> datetime:
+        """The API server's time as of the last response; this machine's before any."""
+        seen = server_clock(*self._date, time.monotonic()) if self._date else None
+        return seen or datetime.now(UTC)
+
+    def _json(self, response: Any) -> Any:
+        date = response.headers.get("Date") if getattr(response, "headers", None) is not None else None
+        if date:
+            self._date = (date, time.monotonic())
+        return json.loads(response.data)
 
     def jobs_of(self, owner: Owner) -> list[dict[str, Any]]:
-        got = _json(
+        got = self._json(
             self.batch.list_namespaced_job(
                 owner.namespace, label_selector=f"{LABEL_XJ}={label_value(owner.name)}", _preload_content=False
             )
@@ -73,11 +101,11 @@ class Cluster:
         )
         read: Any = self.batch.read_namespaced_job if kind == "Job" else self.core.read_namespaced_config_map
         try:
-            return _json(create(ns, manifest, _preload_content=False))  # type: ignore[no-any-return]
+            return self._json(create(ns, manifest, _preload_content=False))  # type: ignore[no-any-return]
         except ApiException as exc:
             if exc.status != 409:
                 raise
-        existing = _json(read(name, ns, _preload_content=False))
+        existing = self._json(read(name, ns, _preload_content=False))
         if not any(r.get("uid") == owner.uid for r in existing["metadata"].get("ownerReferences") or []):
             raise kopf.TemporaryError(
                 f"{kind} {name} exists but belongs to another object; waiting for it to go", delay=5
@@ -85,7 +113,7 @@ class Cluster:
         return existing  # type: ignore[no-any-return]
 
     def pods_of(self, namespace: str, job: str) -> list[dict[str, Any]]:
-        got = _json(
+        got = self._json(
             self.core.list_namespaced_pod(
                 namespace, label_selector=f"batch.kubernetes.io/job-name={job}", _preload_content=False
             )
@@ -94,7 +122,7 @@ class Cluster:
 
     def events_of(self, namespace: str, name: str, kind: str = "Pod") -> list[dict[str, Any]]:
         selector = f"involvedObject.kind={kind},involvedObject.name={name}"
-        got = _json(
+        got = self._json(
             self.core.list_namespaced_event(namespace, field_selector=selector, _preload_content=False)
         )
         return sorted(got["items"], key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
@@ -102,13 +130,13 @@ class Cluster:
     def kueue_view(self, namespace: str, job_uid: str) -> KueueView:
         """Whether the cluster serves Kueue's API and, if so, the Job's Workloads (by Kueue's job-uid
         label, in the group's preferred version). Workloads the operator may not read are None."""
-        groups = _json(kubernetes.client.ApisApi().get_api_versions(_preload_content=False))
+        groups = self._json(kubernetes.client.ApisApi().get_api_versions(_preload_content=False))
         group = next((g for g in groups.get("groups") or [] if g.get("name") == KUEUE_GROUP), None)
         if group is None:
             return KueueView(served=False)
         version = group["preferredVersion"]["version"]
         try:
-            got = _json(
+            got = self._json(
                 kubernetes.client.CustomObjectsApi().list_namespaced_custom_object(
                     KUEUE_GROUP,
                     version,

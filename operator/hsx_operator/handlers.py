@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
 from typing import Any
 
 import kopf
@@ -120,7 +119,6 @@ def _reconcile(
     patch: kopf.Patch,
     generation: int,
 ) -> None:
-    now = datetime.now(UTC)
     try:
         xj = ExtractionJobSpec.model_validate(dict(spec))
     except ValidationError as exc:
@@ -202,6 +200,7 @@ def _reconcile(
                 strict=True,
             )
         )
+    now = cluster.now()  # the API server's clock, as the Job's timestamps are
     outcome = observe(
         xj_name=name,
         generation=generation,

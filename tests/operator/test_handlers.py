@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import kopf
@@ -12,16 +13,35 @@ from kubernetes.client.rest import ApiException
 from hsx_operator import handlers
 from hsx_operator.policy import NodeAccessPolicy
 from hsx_operator.status import ExtractionJobStatus
-from tests.operator.helpers import EXTRACTOR_RUNNING, SERVER_READY, job_json, pod_json, spec_dict
+from tests.operator.helpers import (
+    EXTRACTOR_RUNNING,
+    EXTRACTOR_WAITING,
+    SERVER_LOADING,
+    SERVER_READY,
+    job_json,
+    pod_json,
+    spec_dict,
+)
 
 UID = "uid-1"
 
 
 class FakeCluster:
-    def __init__(self, jobs: list[dict[str, Any]] | None = None, refuse: ApiException | None = None):
+    def __init__(
+        self,
+        jobs: list[dict[str, Any]] | None = None,
+        refuse: ApiException | None = None,
+        server_time: datetime | None = None,
+        pods: list[dict[str, Any]] | None = None,
+    ):
         self.jobs = jobs or []
         self.refuse = refuse
+        self.server_time = server_time or datetime.now(UTC)
+        self.pods = pods
         self.calls: list[str] = []
+
+    def now(self) -> datetime:
+        return self.server_time
 
     def jobs_of(self, owner: Any) -> list[dict[str, Any]]:
         return self.jobs
@@ -34,7 +54,7 @@ class FakeCluster:
 
     def pods_of(self, namespace: str, job: str) -> list[dict[str, Any]]:
         self.calls.append("pods")
-        return [pod_json(server=SERVER_READY, extractor=EXTRACTOR_RUNNING)]
+        return self.pods if self.pods is not None else [pod_json(server=SERVER_READY, extractor=EXTRACTOR_RUNNING)]
 
     def events_of(self, namespace: str, name: str, kind: str = "Pod") -> list[dict[str, Any]]:
         self.calls.append(f"events {kind}")
@@ -166,3 +186,31 @@ def test_a_host_path_the_admin_did_not_allow_fails_the_run_without_a_job(
     assert "host path /var/lib/kubelet" in st["message"] and "allowed prefixes: /srv" in st["message"]
     assert cluster.calls == []
     assert any(e.get("type") == "Warning" and e["reason"] == "NotPermitted" for e in world["events"])
+
+
+def test_the_startup_deadline_runs_on_the_api_servers_clock(
+    monkeypatch: pytest.MonkeyPatch, world: dict[str, Any]
+) -> None:
+    # The Job's creationTimestamp is the API server's; this machine's clock is months ahead of it.
+    created = datetime(2026, 1, 5, 12, 0, 0, tzinfo=UTC)
+    job = owned(job_json())
+    job["metadata"]["creationTimestamp"] = created.strftime("%Y-%m-%dT%H:%M:%SZ")
+    loading = [pod_json(server=SERVER_LOADING, extractor=EXTRACTOR_WAITING)]
+    spec = spec_dict(startupDeadlineSeconds=600)
+
+    def at(server_seconds: int, status: dict[str, Any]) -> dict[str, Any]:
+        cluster = FakeCluster([job], server_time=created + timedelta(seconds=server_seconds), pods=loading)
+        return {**status, **reconcile(monkeypatch, cluster, spec, status)["status"]}
+
+    early = at(300, {"observedRunId": "r1"})
+    assert early["phase"] == "Starting", early
+    late = at(900, early)
+    assert (late["phase"], late["reason"]) == ("Failed", "StartupDeadlineExceeded"), late
+
+
+def test_server_clock_reads_the_date_header_and_adds_the_time_since() -> None:
+    from hsx_operator.cluster import server_clock
+
+    got = server_clock("Mon, 05 Jan 2026 12:00:00 GMT", seen_at=100.0, now_monotonic=102.5)
+    assert got == datetime(2026, 1, 5, 12, 0, 2, 500000, tzinfo=UTC)
+    assert server_clock(None, 0, 0) is None and server_clock("not a date", 0, 0) is None
