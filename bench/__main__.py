@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in one go, then a one-screen summary (results in bench/results/).
 
-    .venv/bin/python -m bench [--only b1,b2,b3,b4,memory,hook_writer,tokenize]
+    .venv/bin/python -m bench [--only b1,b2,b3,b4,memory,hook_writer,tokenize,reader]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ def benchmarks() -> dict[str, Callable[[], dict[str, Any]]]:
     from bench.b4_operator import run_b4
     from bench.hook_writer import run_hook_writer
     from bench.memory import run_memory
+    from bench.reader import main as run_reader
     from bench.tokenize import run_tokenize
 
     return {
@@ -33,6 +34,7 @@ def benchmarks() -> dict[str, Callable[[], dict[str, Any]]]:
         "memory": run_memory,
         "hook_writer": run_hook_writer,
         "tokenize": run_tokenize,
+        "reader": lambda: run_reader([]),
     }
 
 
@@ -94,13 +96,20 @@ def summary(results: dict[str, Any]) -> list[str]:
                 row("", f"  8-GPU server at {low // 1000}-{high // 1000}k tok/s: "
                         f"{c['server_8gpu']['low_rows_per_s']:.0f}-{c['server_8gpu']['high_rows_per_s']:.0f} rows/s, cores",
                     f"{c['cores_needed_at_high']:.2f}", "< 1")
+        elif name == "reader":
+            for codec, per in r["codecs"].items():
+                for setting, v in per.items():
+                    if setting.startswith("workers="):
+                        row("reader", f"{codec} {setting}: core-s/GB, GB/s wall",
+                            f"{v['core_s_per_gb']:.2f} {v['gb_per_s_wall']:.2f}",
+                            "<= 1.0 c-s/GB" if setting == "workers=0" else "")
     lines.append("=" * 100)
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="run hsx's benchmarks")
-    p.add_argument("--only", default="b1,b2,b3,b4,memory,hook_writer,tokenize", help="comma-separated subset")
+    p.add_argument("--only", default="b1,b2,b3,b4,memory,hook_writer,tokenize,reader", help="comma-separated subset")
     args = p.parse_args(argv)
     table = benchmarks()
     wanted = [n.strip() for n in args.only.split(",") if n.strip()]
