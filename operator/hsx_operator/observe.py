@@ -388,11 +388,19 @@ def _with_job(
     return _Seen()
 
 
+_NO_PACE: dict[str, Any] = {"samplesPerSecond": 0.0, "tokensPerSecond": 0.0, "etaSeconds": None}
+
+
 def _merge_reports(
     status: ExtractionJobStatus, pods: Sequence[Mapping[str, Any]], progress: Mapping[str, Mapping[str, Any]]
 ) -> None:
-    """Each pod's report (polled, or its termination message) into its replica's status."""
+    """Each pod's report (polled, or its termination message) into its replica's status.
+
+    Rates and ETA are the extractor's pace now: only a report polled in this reconcile carries them.
+    A replica not polled (pod restarting, replaced, finished, unreachable) shows 0 and no ETA rather
+    than the last pace it had, which may be hours old."""
     replicas = {r.index: r for r in status.replicas}
+    fresh: set[int] = set()
     for pod in pods:
         pname = pod.get("metadata", {}).get("name", "")
         idx = replica_index(pod)
@@ -400,7 +408,11 @@ def _merge_reports(
         report = report_from(polled) if polled else terminated_progress(pod)
         if report:
             replicas[idx] = merge_replica(replicas.get(idx), idx, pname, report)
-    status.replicas = [replicas[i] for i in sorted(replicas)]
+            if polled:
+                fresh.add(idx)
+    status.replicas = [
+        replicas[i] if i in fresh else replicas[i].model_copy(update=_NO_PACE) for i in sorted(replicas)
+    ]
 
 
 def observe(
@@ -479,8 +491,5 @@ def observe(
             )
         )
     if terminal and base.phase not in TERMINAL_PHASES:
-        status.replicas = [
-            r.model_copy(update={"samplesPerSecond": 0.0, "tokensPerSecond": 0.0, "etaSeconds": None})
-            for r in status.replicas
-        ]
+        status.replicas = [r.model_copy(update=_NO_PACE) for r in status.replicas]
     return Outcome(status, notes, seen.stop)

@@ -150,6 +150,13 @@ def test_progress_of_two_replicas_is_summed_and_kept_after_one_ends() -> None:
         progress={"xj-r1-1-b": {**reports["xj-r1-1-b"], "samplesDone": 40}},
     ).status
     assert later.progress.samplesDone == 60
+    # Only replica 1 was polled: its pace is the run's; replica 0's last pace is gone, not summed.
+    assert later.progress.tokensPerSecond == 150.0 and later.progress.etaSeconds == 90
+    assert [r.tokensPerSecond for r in later.replicas] == [0.0, 150.0]
+    # A reconcile that reaches no extractor (pod restarting, poll timed out) shows no pace, not an old one.
+    unreachable = run(prior=later, job=job_json(), pods=[p0_done, p1], progress={}).status
+    assert unreachable.progress.tokensPerSecond == 0 and unreachable.progress.etaSeconds is None
+    assert unreachable.progress.samplesDone == 60 and unreachable.progress.eta == ""
 
 
 def test_final_progress_is_read_from_the_termination_message() -> None:

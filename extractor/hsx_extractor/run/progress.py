@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -18,11 +18,17 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from hsx_extractor.contract import ExtractorState, ProgressReport
 
+# Rates (and the ETA from them) while running are over the last minute, not the whole process: after
+# hours of extraction a stalled server must show 0 tok/s within a minute, not an average decaying slowly.
+RATE_WINDOW_S = 60.0
+MARK_EVERY_S = 1.0
+
 
 @dataclass
 class Progress:
     """Counters of one extractor process. Samples of shards committed before a restart count as
-    done (``samples_resumed``); rates and ETA use only what this process did."""
+    done (``samples_resumed``); rates and ETA use only what this process did: over the last
+    :data:`RATE_WINDOW_S` while running, over the whole run once it ended."""
 
     run_id: str
     replica_index: int
@@ -44,9 +50,22 @@ class Progress:
     _in_flight_probe: Callable[[], int] | None = None
     # (checked, failed) of the consistency check, read when asked
     _consistency_probe: Callable[[], tuple[int, int]] | None = None
+    # (monotonic time, samples this process finished, tokens); the first is the newest mark at or
+    # before the window's start (or the start of running).
+    _marks: deque[tuple[float, int, int]] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         self._metrics = Metrics()
+
+    def _mark(self, now: float) -> None:
+        fresh = self.samples_done - self.samples_resumed
+        # The newest mark is always the current count; older ones stay at least MARK_EVERY_S apart.
+        if len(self._marks) >= 2 and now - self._marks[-2][0] < MARK_EVERY_S:
+            self._marks[-1] = (now, fresh, self.tokens_done)
+        else:
+            self._marks.append((now, fresh, self.tokens_done))
+        while len(self._marks) > 1 and self._marks[1][0] <= now - RATE_WINDOW_S:
+            self._marks.popleft()
 
     @property
     def metrics(self) -> Metrics:
@@ -60,11 +79,15 @@ class Progress:
         self.tokens_done += tokens
         self.metrics.samples.inc()
         self.metrics.tokens.inc(tokens)
+        if self.running_since is not None:
+            self._mark(time.monotonic())
 
     def sample_quarantined(self, reason: str) -> None:
         self.samples_done += 1
         self.quarantined[reason] += 1
         self.metrics.quarantined.labels(reason=reason).inc()
+        if self.running_since is not None:
+            self._mark(time.monotonic())
 
     def shard_committed(self, nbytes: int) -> None:
         self.shards_committed += 1
@@ -83,6 +106,8 @@ class Progress:
     def mark_running(self) -> None:
         self.state = "running"
         self.running_since = time.monotonic()
+        self._marks.clear()
+        self._marks.append((self.running_since, self.samples_done - self.samples_resumed, self.tokens_done))
 
     def mark_succeeded(self) -> None:
         self.state = "succeeded"
@@ -100,10 +125,20 @@ class Progress:
             return 0.0
         return (self.finished_at or time.monotonic()) - self.running_since
 
-    def report(self) -> ProgressReport:
-        elapsed = max(self.elapsed, 1e-9)
+    def rates(self) -> tuple[float, float]:
+        """(samples/s, tokens/s): over the last RATE_WINDOW_S while running, else the whole run."""
         fresh = self.samples_done - self.samples_resumed
-        samples_rate = fresh / elapsed
+        if self.state == "running" and self._marks:
+            now = time.monotonic()
+            self._mark(now)
+            since, base_samples, base_tokens = self._marks[0]
+            span = max(now - since, 1e-9)
+            return (fresh - base_samples) / span, (self.tokens_done - base_tokens) / span
+        elapsed = max(self.elapsed, 1e-9)
+        return fresh / elapsed, self.tokens_done / elapsed
+
+    def report(self) -> ProgressReport:
+        samples_rate, tokens_rate = self.rates()
         remaining = max(self.samples_total - self.samples_done, 0)
         eta = remaining / samples_rate if samples_rate > 0 else None
         checked, failed = self._consistency_probe() if self._consistency_probe else (0, 0)
@@ -114,7 +149,7 @@ class Progress:
             samplesQuarantined=sum(self.quarantined.values()),
             tokensDone=self.tokens_done,
             samplesPerSecond=round(samples_rate, 3),
-            tokensPerSecond=round(self.tokens_done / elapsed, 3),
+            tokensPerSecond=round(tokens_rate, 3),
             etaSeconds=None if eta is None else round(eta, 1),
             bytesCommitted=self.bytes_committed,
             shardsCommitted=self.shards_committed,

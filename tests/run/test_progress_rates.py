@@ -1,0 +1,58 @@
+"""Rates and ETA follow the last minute while running: a stall shows as 0 tok/s within a minute,
+not as a whole-run average decaying over hours."""
+
+from __future__ import annotations
+
+import pytest
+
+from hsx_extractor.run import progress as progress_mod
+from hsx_extractor.run.progress import RATE_WINDOW_S, Progress
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(progress_mod.time, "monotonic", c)
+    return c
+
+
+def run_for(p: Progress, clock: Clock, seconds: int, per_second: int, tokens: int = 100) -> None:
+    for _ in range(seconds):
+        clock.now += 1
+        for _ in range(per_second):
+            p.sample_done(tokens)
+
+
+def test_a_stall_shows_within_the_window_and_the_eta_disappears(clock: Clock) -> None:
+    p = Progress("r", 0, samples_total=100_000)
+    p.mark_running()
+    run_for(p, clock, 3600, 10)  # an hour at 10 samples/s
+    busy = p.report()
+    assert busy.samplesPerSecond == pytest.approx(10, rel=0.05) and busy.tokensPerSecond == pytest.approx(1000, rel=0.05)
+    assert busy.etaSeconds == pytest.approx((100_000 - 36_000) / 10, rel=0.05)
+    clock.now += RATE_WINDOW_S + 1  # the server stalls
+    stalled = p.report()
+    assert stalled.samplesPerSecond == 0 and stalled.tokensPerSecond == 0 and stalled.etaSeconds is None
+    # The whole-run average would still say ~9.8/s; the new pace shows as soon as it resumes.
+    run_for(p, clock, 120, 2)
+    assert p.report().samplesPerSecond == pytest.approx(2, rel=0.05)
+
+
+def test_resumed_samples_are_not_throughput_and_the_end_reports_the_run(clock: Clock) -> None:
+    p = Progress("r", 0, samples_total=1000, samples_done=600, samples_resumed=600)
+    p.mark_running()
+    run_for(p, clock, 10, 5)
+    assert p.report().samplesPerSecond == pytest.approx(5, rel=0.1)  # not (600 + 50) / 10
+    run_for(p, clock, 90, 5)
+    p.mark_succeeded()
+    clock.now += 500
+    done = p.report()
+    assert done.samplesPerSecond == pytest.approx(5, rel=0.05)  # over the run, not the idle time after
