@@ -9,6 +9,7 @@ to their type, and keywords OpenAPI 3.0 spells differently are rewritten.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,26 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     return out
 
 
+def with_defaults_described(node: dict[str, Any]) -> dict[str, Any]:
+    """``kubectl explain`` prints descriptions, not defaults: each scalar default of a spec is stated
+    in its field's text (recursively)."""
+    out = dict(node)
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = {k: with_defaults_described(v) for k, v in out["properties"].items()}
+    if isinstance(out.get("items"), dict):
+        out["items"] = with_defaults_described(out["items"])
+    default, text = out.get("default"), out.get("description")
+    if default is None or isinstance(default, dict) or not text or "default" in text.lower():
+        return out
+    if isinstance(default, list) and (
+        len(default) > 8 or not all(isinstance(v, str | int | float) for v in default)
+    ):
+        return out
+    shown = default if isinstance(default, str) and default else json.dumps(default)
+    out["description"] = f"{text.rstrip()} Default: {shown}."
+    return out
+
+
 def schema_of(model: type[Any]) -> dict[str, Any]:
     """The structural OpenAPI schema of one pydantic model."""
     raw = model.model_json_schema(mode="validation")
@@ -155,7 +176,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
 
 
 def extractionjob_crd() -> dict[str, Any]:
-    spec_schema = schema_of(api.ExtractionJobSpec)
+    spec_schema = with_defaults_described(schema_of(api.ExtractionJobSpec))
     status_schema = schema_of(ExtractionJobStatus)
     root = {
         "type": "object",

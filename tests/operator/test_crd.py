@@ -52,6 +52,20 @@ def test_every_spec_and_status_field_is_documented() -> None:
     assert missing == []
 
 
+def test_every_scalar_default_of_the_spec_is_in_its_description() -> None:
+    # kubectl explain prints the description, not the schema's default.
+    unsaid = [
+        (p, node["default"])
+        for p, node in _walk(_crd_schema()["properties"]["spec"], "spec")
+        if "default" in node
+        and not isinstance(node["default"], dict)
+        and "default" not in node.get("description", "").lower()
+    ]
+    assert unsaid == []
+    port = _crd_schema()["properties"]["spec"]["properties"]["server"]["properties"]["port"]
+    assert port["description"].endswith("Default: 30000.")
+
+
 def test_schema_is_structural() -> None:
     for path, node in _walk(_crd_schema()["properties"]["spec"], "spec"):
         assert not {"anyOf", "oneOf", "allOf", "$ref", "title", "const"} & node.keys(), path
