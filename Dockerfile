@@ -26,20 +26,21 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin hsx
+# 65532: the uid the chart and the extraction pods run as (runAsUser), so it has a passwd entry here.
+RUN useradd --system --uid 65532 --user-group --no-create-home --shell /usr/sbin/nologin hsx
 
 # ---- operator: kopf + kubernetes client, no torch -------------------------------------------
 FROM runtime AS operator
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install "/wheels/hsx-0.1.0-py3-none-any.whl[operator]"
-USER 10001:10001
+USER 65532:65532
 ENTRYPOINT ["hsx-operator"]
 
 # ---- extractor: reads dumps, writes shards, talks to S3; no torch ---------------------------
 FROM runtime AS extractor
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install "/wheels/hsx-0.1.0-py3-none-any.whl[extractor]"
-USER 10001:10001
+USER 65532:65532
 ENTRYPOINT ["hsx"]
 
 # ---- sglang: the official release plus hsx's dump hook ---------------------------------------

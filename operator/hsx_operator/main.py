@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import random
+import secrets
+import socket
 import sys
+from typing import Any, cast
 
 import kopf
 from prometheus_client import start_http_server
@@ -72,8 +76,17 @@ def main(argv: list[str] | None = None) -> int:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=args.liveness,
+        identity=cast(Any, peering_identity()),  # kopf's Identity is a NewType of str, not exported
     )
     return 0
+
+
+def peering_identity() -> str:
+    """This replica's name among its peers: the pod's name (POD_ID, as the chart sets it), else host and
+    process. kopf's own fallback asks the passwd database for the user, and a pod's runAsUser (65532
+    in the chart) need not be in the image's: the operator crashed at start."""
+    pod = os.environ.get("POD_ID")
+    return pod or f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(3)}"
 
 
 if __name__ == "__main__":

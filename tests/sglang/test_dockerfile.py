@@ -15,6 +15,7 @@ import pytest
 
 from hsx_extractor.sglang_hook.launch import SGLANG_BASE_IMAGE
 from hsx_extractor.vllm_hook.launch import VLLM_BASE_IMAGE
+from hsx_operator.desired import EXTRACTOR_UID
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -66,7 +67,9 @@ def test_one_target_per_image_and_non_root_python_images() -> None:
     assert {"operator", "extractor", "sglang", "vllm"} <= set(stages)
     for name in ("operator", "extractor"):
         body = "\n".join(stages[name])
-        assert "USER 10001:10001" in body
+        # The uid the chart and the extraction pods run as, so the image's passwd knows it.
+        assert f"USER {EXTRACTOR_UID}:{EXTRACTOR_UID}" in body
+        assert f"--uid {EXTRACTOR_UID}" in "\n".join(stages["runtime"])
         assert "torch" not in body
     assert "[operator]" in "\n".join(stages["operator"]) and "[extractor]" in "\n".join(stages["extractor"])
     assert "--no-deps" in "\n".join(stages["sglang"]) and "install-pth" in "\n".join(stages["sglang"])
