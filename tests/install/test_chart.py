@@ -251,6 +251,12 @@ def test_notes_tell_the_next_steps() -> None:
     notes = result.stdout.split("NOTES:", 1)[1]
     for step in ("rollout status", "examples/minimal.yaml", "hsx estimate", "runId", "argocd-health.lua"):
         assert step in notes, step
+    # The commands it shows are real: hsx's own parser accepts them (it printed --aux-layers, no such flag).
+    from hsx_extractor.tools.cli import parser
+
+    (estimate,) = [line.split() for line in notes.splitlines() if line.strip().startswith("hsx estimate")]
+    args = parser().parse_args(estimate[1:])
+    assert args.dataset == "data.jsonl" and str(args.model) == "/path/to/model"
 
 
 def test_network_policy_admits_only_the_operator_to_the_pods_it_makes() -> None:
