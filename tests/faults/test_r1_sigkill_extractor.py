@@ -7,6 +7,7 @@ import json
 import random
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +28,39 @@ from tests.faults.helpers import (
 from tests.run.helpers import chat_rows, write_jsonl
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
-KILLS = 20
 ROWS = 160
+# Where the 20 kills land, in an order and at moments the seed draws. Counts are fixed so that any
+# seed kills mid-run often and still leaves work for the last kill: "start-up" kills come before the
+# first request; "mid-shard" ones within 8 samples of an attempt's first request (a shard holds ~15
+# rows, so they never commit one); "after-commit" ones just after the attempt committed a shard.
+KINDS = ["start-up"] * 6 + ["mid-shard"] * 10 + ["after-commit"] * 4
+WAIT_S = 120
 
 
-def progress_state(port: int) -> str | None:
+def progress(port: int) -> dict[str, Any] | None:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/progress", timeout=1) as r:
-            return str(json.loads(r.read())["state"])
+            return json.loads(r.read())  # type: ignore[no-any-return]
     except OSError:
         return None
+
+
+def wait_until(proc: Any, what: str, ready: Callable[[], Any], log: Path) -> Any:
+    """``ready()``'s first truthy value, polled every 20 ms while the attempt lives."""
+    deadline = time.monotonic() + WAIT_S
+    while not (seen := ready()):
+        assert proc.poll() is None, f"the attempt ended by itself ({proc.poll()}) waiting for {what}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} after {WAIT_S}s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.02)
+    return seen
 
 
 def test_sigkill_at_random_points_loses_and_duplicates_nothing(
     tmp_path: Path, fault_model: Path, fault_tokenizer: Any, s3_env: Any, s3_bucket: str
 ) -> None:
     rng = random.Random(fault_seed("R1"))
+    kinds = list(KINDS)
+    rng.shuffle(kinds)
     rows: list[Any] = [*chat_rows(ROWS, words=30), "{not json", {"id": "empty", "messages": []}]
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)
     server = RefServerProcess(fault_model, tmp_path / "dumps", free_port(), tmp_path / "server.log",
@@ -66,24 +84,43 @@ def test_sigkill_at_random_points_loses_and_duplicates_nothing(
         "validation": {"dumpTimeoutSeconds": 10},
     }))
     log = tmp_path / "extract.log"
+
+    def planned_shards() -> int | None:
+        try:
+            body = s3_env.client().get_object(Bucket=s3_bucket, Key="r1/r1/plan.json")["Body"].read()
+        except Exception:
+            return None
+        return len(json.loads(body)["shards"])
+
+    def running() -> dict[str, Any] | None:
+        seen = progress(progress_port)
+        return seen if seen is not None and seen["state"] == "running" else None
+
     kills: list[tuple[str, float, int]] = []
     try:
-        for n in range(KILLS):
+        for kind in kinds:
             proc = start_extract(config, log)
             started = time.monotonic()
-            # Some kills land during start-up (cheap: a start costs ~10 s of imports here); most mid-run.
-            if rng.random() < 0.35:
-                when, phase = rng.uniform(0.05, 2.0), "start-up"
-                time.sleep(when)
+            if kind == "start-up":  # a start costs seconds of imports; kill before the first request
+                until = started + rng.uniform(0.05, 2.0)
+                wait_until(proc, "start-up", lambda until=until: time.monotonic() >= until or running(), log)
             else:
-                while progress_state(progress_port) != "running" and proc.poll() is None:
-                    time.sleep(0.02)
-                when, phase = rng.uniform(0.0, 1.6), "running"
-                time.sleep(when)
+                seen = wait_until(proc, "running", running, log)
+                base, total = seen["samplesDone"], seen["samplesTotal"]
+                shards, before = planned_shards(), committed_count(output, "r1")
+                if kind == "after-commit" and shards is not None and before < shards - 1:
+                    wait_until(proc, "a commit", lambda before=before: committed_count(output, "r1") > before, log)
+                    time.sleep(rng.uniform(0.0, 0.3))
+                else:  # also instead of a commit that would finish the run: the last kill must leave work
+                    kind = "mid-shard"
+                    # Never past the run's last samples: the kill must find the attempt still working.
+                    target = min(base + rng.randint(1, 8), max(base, total - 4))
+                    wait_until(proc, f"{target} samples done",
+                               lambda target=target: (progress(progress_port) or {}).get("samplesDone", 0) >= target, log)
             code = sigkill(proc)
-            assert code is None, f"attempt {n} ended by itself with exit {code}:\n{log.read_text()[-3000:]}"
-            kills.append((phase, round(time.monotonic() - started, 2), committed_count(output, "r1")))
-        print(f"kills (phase, seconds after start, shards committed): {kills}")
+            assert code is None, f"a {kind} attempt ended by itself with exit {code}:\n{log.read_text()[-3000:]}"
+            kills.append((kind, round(time.monotonic() - started, 2), committed_count(output, "r1")))
+        print(f"kills (kind, seconds after start, shards committed): {kills}")
         final = start_extract(config, log)
         assert final.wait(timeout=300) == 0, log.read_text()[-4000:]
     finally:
@@ -91,8 +128,8 @@ def test_sigkill_at_random_points_loses_and_duplicates_nothing(
     plan = json.loads(s3_env.client().get_object(Bucket=s3_bucket, Key="r1/r1/plan.json")["Body"].read())
     shards = len(plan["shards"])
     assert shards >= 6, plan
-    # The kills spread over the run: some before any shard was committed, some with most done.
-    assert sum(1 for phase, _, _ in kills if phase == "running") >= 10
+    # The kills spread over the run: mid-run ones, some before any shard was committed, some later.
+    assert sum(1 for kind, _, _ in kills if kind != "start-up") == len(KINDS) - KINDS.count("start-up")
     assert kills[-1][2] < shards, "every shard was committed before the last kill: the kills missed the run"
     assert len({c for _, _, c in kills}) >= 3, kills
 
