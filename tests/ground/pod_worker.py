@@ -511,15 +511,20 @@ class PodWorker(threading.Thread):
                 stashed[root] = self.pod_dir / "image" / str(i)
                 stashed[root].mkdir(parents=True, exist_ok=True)
                 lines.append(f"mount --bind {shlex.quote(str(root))} {shlex.quote(str(stashed[root]))}")
+
+        def rebind_roots_under(cover: str) -> None:
+            """Bind the stashed image directories back over a mount at ``cover`` that hides them."""
+            for root, stash in stashed.items():
+                if covers(cover, root):
+                    lines.append(f"mkdir -p {shlex.quote(str(root))}")
+                    lines.append(f"mount --bind {shlex.quote(str(stash))} {shlex.quote(str(root))}")
+
         for i, veil in enumerate(veils):
             empty = self.pod_dir / "veil" / str(i)
             empty.mkdir(parents=True, exist_ok=True)
             empty.chmod(0o755)
             lines.append(f"mount --bind {shlex.quote(str(empty))} {shlex.quote(veil)}")
-            for root, stash in stashed.items():
-                if covers(veil, root):
-                    lines.append(f"mkdir -p {shlex.quote(str(root))}")
-                    lines.append(f"mount --bind {shlex.quote(str(stash))} {shlex.quote(str(root))}")
+            rebind_roots_under(veil)
         for mount in sorted(mounts, key=lambda m: m["mountPath"].rstrip("/").count("/")):
             name = mount["name"]
             if name not in self.volume_dirs:
@@ -540,10 +545,7 @@ class PodWorker(threading.Thread):
             if mount.get("readOnly"):
                 lines.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
             placed.append(target)
-            for root, stash in stashed.items():
-                if covers(target, root):
-                    lines.append(f"mkdir -p {shlex.quote(str(root))}")
-                    lines.append(f"mount --bind {shlex.quote(str(stash))} {shlex.quote(str(root))}")
+            rebind_roots_under(target)
         if c.termination_file is not None:
             target = c.spec.get("terminationMessagePath") or DEFAULT_TERMINATION_MESSAGE_PATH
             self.agent.host_dirs.ensure(Path(target), True)
