@@ -107,7 +107,7 @@ class Progress:
         self.state = "running"
         self.running_since = time.monotonic()
         self._marks.clear()
-        self._marks.append((self.running_since, self.samples_done - self.samples_resumed, self.tokens_done))
+        self._mark(self.running_since)
 
     def mark_succeeded(self) -> None:
         self.state = "succeeded"
