@@ -63,6 +63,32 @@ def image_roots() -> list[Path]:
     return sorted(c for c in candidates if not any(o != c and o in c.parents for o in candidates))
 
 
+class SourceHandles:
+    """Descriptors on bind sources, opened by the container's mount script before its first mount.
+
+    A source is then named `/proc/self/fd/N`, which resolves to the opened file itself even after a volume
+    covers its path (mount runs with --no-canonicalize, which would turn it back into the path). They are
+    opened inside the container's mount namespace: a bind from a descriptor of another one is refused."""
+
+    FIRST_FD = 20  # above what bash and the launcher use
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+
+    def ref(self, path: Path) -> str:
+        if not (path.is_dir() or path.is_file()):  # sockets, devices: opening one has effects; by path
+            return shlex.quote(str(path))
+        if path not in self._fds:
+            self._fds[path] = self.FIRST_FD + len(self._fds)
+        return f"/proc/self/fd/{self._fds[path]}"
+
+    def open_lines(self) -> list[str]:
+        return [f"exec {fd}<{shlex.quote(str(path))}" for path, fd in self._fds.items()]
+
+    def close_lines(self) -> list[str]:
+        return [f"exec {fd}<&-" for fd in self._fds.values()]
+
+
 def covers(mount_path: str, path: Path) -> bool:
     """Whether a volume mounted at ``mount_path`` hides ``path``."""
     return Path(mount_path) == path or Path(mount_path) in path.parents
@@ -454,10 +480,10 @@ class PodWorker(threading.Thread):
             *("netns", "exec", self.netns),
             shutil.which("unshare") or "unshare",
             *("-m", "-u", "--propagation", "private"),
-            "/bin/sh",
+            shutil.which("bash") or "/bin/bash",  # dash cannot close descriptors above 9
             "-c",
             script,
-            "sh",
+            "bash",
             *ident.setpriv_argv(),
             *argv,
         ]
@@ -490,11 +516,20 @@ class PodWorker(threading.Thread):
             status.ready = status.started
 
     def _mount_script(self, c: Container, ident: Identity) -> str:
-        """Shell run as root inside the container's fresh mount namespace: bind the volumes, cd, then
-        exec the argv ("$@", which starts with the setpriv that becomes the container's user)."""
+        """Bash run as root inside the container's fresh mount namespace: bind the volumes, cd, then
+        exec the argv ("$@", which starts with the setpriv that becomes the container's user).
+
+        Every bind source is reached through a descriptor opened before any mount, so a
+        volume over the node's own directories (the chart's emptyDir at /tmp, with the node's work dir
+        under /tmp) cannot hide a source that a later mount needs, as a real kubelet's never can."""
         mounts = list(c.spec.get("volumeMounts", []))
-        lines = ["set -e", f"hostname {shlex.quote(self.pod_name[:63])}"]
+        lines: list[str] = []
         placed: list[str] = []
+        handles = SourceHandles()
+
+        def bind(source: Path, target: str) -> None:
+            lines.append(f"mount --no-canonicalize --bind {handles.ref(source)} {shlex.quote(target)}")
+
         roots = image_roots()
         # A real image's files are world-readable; here the interpreter may sit under /root (0700).
         # A non-root user gets an empty, searchable directory over such an ancestor ("veil"), with the
@@ -502,28 +537,20 @@ class PodWorker(threading.Thread):
         veils = sorted(
             {b for r in roots if (b := traversal_barrier(str(r), ident, _stat_triple)) is not None}
         )
-        # Every container's "image" is this checkout and its interpreter. A volume over one of their
-        # ancestors (the chart's emptyDir at /tmp, with the clone under /tmp) must not hide the program:
-        # bind them aside first (a bind's source must be visible in the namespace), then back over it.
-        stashed: dict[Path, Path] = {}
-        for i, root in enumerate(roots):
-            if any(covers(m["mountPath"], root) for m in mounts) or any(covers(v, root) for v in veils):
-                stashed[root] = self.pod_dir / "image" / str(i)
-                stashed[root].mkdir(parents=True, exist_ok=True)
-                lines.append(f"mount --bind {shlex.quote(str(root))} {shlex.quote(str(stashed[root]))}")
 
         def rebind_roots_under(cover: str) -> None:
-            """Bind the stashed image directories back over a mount at ``cover`` that hides them."""
-            for root, stash in stashed.items():
+            """Every container's "image" is this checkout and its interpreter: bind them back over a
+            mount at ``cover`` that hides them (a volume at /tmp with the clone under /tmp, a veil)."""
+            for root in roots:
                 if covers(cover, root):
                     lines.append(f"mkdir -p {shlex.quote(str(root))}")
-                    lines.append(f"mount --bind {shlex.quote(str(stash))} {shlex.quote(str(root))}")
+                    bind(root, str(root))
 
         for i, veil in enumerate(veils):
             empty = self.pod_dir / "veil" / str(i)
             empty.mkdir(parents=True, exist_ok=True)
             empty.chmod(0o755)
-            lines.append(f"mount --bind {shlex.quote(str(empty))} {shlex.quote(veil)}")
+            bind(empty, veil)
             rebind_roots_under(veil)
         for mount in sorted(mounts, key=lambda m: m["mountPath"].rstrip("/").count("/")):
             name = mount["name"]
@@ -541,7 +568,7 @@ class PodWorker(threading.Thread):
                 self.agent.host_dirs.ensure(Path(target), is_file)
             make = f"touch {shlex.quote(target)}" if is_file else f"mkdir -p {shlex.quote(target)}"
             lines.append(f"[ -e {shlex.quote(target)} ] || {make}")
-            lines.append(f"mount --bind {shlex.quote(str(source))} {shlex.quote(target)}")
+            bind(source, target)
             if mount.get("readOnly"):
                 lines.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
             placed.append(target)
@@ -550,7 +577,7 @@ class PodWorker(threading.Thread):
             target = c.spec.get("terminationMessagePath") or DEFAULT_TERMINATION_MESSAGE_PATH
             self.agent.host_dirs.ensure(Path(target), True)
             lines.append(f"[ -e {shlex.quote(target)} ] || touch {shlex.quote(target)}")
-            lines.append(f"mount --bind {shlex.quote(str(c.termination_file))} {shlex.quote(target)}")
+            bind(c.termination_file, target)
         working_dir = c.spec.get("workingDir")
         if working_dir:
             if not any(working_dir.startswith(p.rstrip("/") + "/") or working_dir == p for p in placed):
@@ -559,8 +586,10 @@ class PodWorker(threading.Thread):
         if ident.read_only_root:
             # Only the root mount: volumes, /dev, /proc and the termination file are mounts of their own.
             lines.append("mount -o remount,bind,ro /")
+        lines.extend(handles.close_lines())  # the container never holds a handle on the node's files
         lines.append('exec "$@"')
-        return "\n".join(lines)
+        head = ["set -e", f"hostname {shlex.quote(self.pod_name[:63])}", *handles.open_lines()]
+        return "\n".join(head + lines)
 
     def _fresh_termination_file(self, c: Container) -> Path:
         """An empty file per container run, as the kubelet makes one for each container start."""

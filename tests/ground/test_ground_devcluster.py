@@ -1,4 +1,5 @@
-"""`make dev-cluster` starts a usable ground in the foreground and leaves nothing behind on Ctrl-C."""
+"""`make dev-cluster` starts a usable ground in the foreground, runs an ExtractionJob to Succeeded with the
+chart's operator by exactly the steps it prints (docs/guide.md), and leaves nothing behind on Ctrl-C."""
 
 from __future__ import annotations
 
@@ -55,7 +56,11 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def test_dev_cluster_serves_and_stops_cleanly(tmp_path):
+def printed_steps(banner: str) -> list[str]:
+    return [line.split("$ ", 1)[1] for line in banner.splitlines() if line.startswith("    $ ")]
+
+
+def test_dev_cluster_runs_the_guides_extraction_and_stops_cleanly(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("dev-cluster needs root")
     workdir = tmp_path / "dev"
@@ -82,6 +87,26 @@ def test_dev_cluster_serves_and_stops_cleanly(tmp_path):
         assert ready["status"] == "True"
         assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"
         assert "S3 endpoint: http://127.0.0.1:" in banner
+        steps = printed_steps(banner)
+        assert any(s.startswith("helm install hsx charts/hsx") for s in steps), banner
+        # The steps as a user pastes them: one shell, the last one prints `kubectl get xj`.
+        tried = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", "\n".join(steps)],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert tried.returncode == 0, f"{tried.stdout}\n{tried.stderr}\n{banner}"
+        table = tried.stdout.splitlines()[-2:]
+        assert table[0].split()[:3] == ["NAME", "PHASE", "REASON"], tried.stdout
+        assert table[1].split()[:2] == ["tiny", "Succeeded"], tried.stdout
+        xj = subprocess.run(
+            [str(tool_path("kubectl")), "--kubeconfig", kubeconfig.group(1), "get", "xj", "-n", "hsx-try", "tiny",
+             "-o", "json"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        progress = json.loads(xj.stdout)["status"]["progress"]
+        assert progress["samplesDone"] > 0 and progress["samplesDone"] == progress["samplesTotal"], progress
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)
     finally:

@@ -11,7 +11,6 @@ reconciles ExtractionJobs. The GitOps rerun story is checked on that operator:
 from __future__ import annotations
 
 import json
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,12 +22,12 @@ import pytest
 import yaml
 
 from hsx_operator.desired import LABEL_XJ
+from tests.ground.images import OPERATOR_IMAGE, operator_argv
 from tests.install.chart import CHART, helm, render_text
 from tests.install.test_argocd_health import run_health
 
 pytestmark = pytest.mark.cluster
 
-OPERATOR = Path(sys.executable).parent / "hsx-operator"
 # The one host path the installed operator allows (the chart's policy.allowedHostPaths).
 MODEL_HOST_PATH = "/tmp/hsx-install-test-model"
 POLL_SECONDS = 1
@@ -81,18 +80,12 @@ class Install:
     jobs_namespace: str  # the one namespace it watches
 
 
-def operator_argv(container: dict[str, Any], pod: dict[str, Any]) -> list[str]:
-    # The chart's container, run as the venv's console script with exactly the chart's arguments.
-    assert container["command"] == ["hsx-operator"], container["command"]
-    return [str(OPERATOR), *container.get("args", [])]
-
-
 @pytest.fixture(scope="module")
 def installed(kube_cluster: Any, node_agent: Any, crds: None) -> Iterator[Install]:
     suffix = uuid.uuid4().hex[:6]
     install = Install(f"hsx-{suffix}", f"hsx-system-{suffix}", f"hsx-jobs-{suffix}")
     kube_cluster.kubectl("create", "namespace", install.jobs_namespace)
-    node_agent.register_image("ghcr.io/hsx-dev/hsx-operator:*", operator_argv)
+    node_agent.register_image(OPERATOR_IMAGE, operator_argv)
     try:
         helm(
             "install", install.release, str(CHART),
@@ -122,7 +115,7 @@ def installed(kube_cluster: Any, node_agent: Any, crds: None) -> Iterator[Instal
             check=False,
             kubeconfig=kube_cluster.kubeconfig,
         )
-        node_agent.unregister_image("ghcr.io/hsx-dev/hsx-operator:*")
+        node_agent.unregister_image(OPERATOR_IMAGE)
         for ns in (install.jobs_namespace, install.namespace):
             kube_cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 

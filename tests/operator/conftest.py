@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from hsx_operator.desired import EXTRACTOR_UID
+from tests.ground.images import register_hsx_images
 from tests.operator.kube_helpers import Namespace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,39 +138,10 @@ def long_dataset(op_workdir: Path) -> Path:
     return target
 
 
-def _flag(command: list[str], flag: str) -> str | None:
-    return command[command.index(flag) + 1] if flag in command else None
-
-
-def reference_server_argv(container: dict, pod: dict) -> list[str]:
-    """The sglang image -> hsx's CPU reference server with the same model, port and dump dir."""
-    command = list(container["command"])
-    env = {e["name"]: e.get("value", "") for e in container.get("env", [])}
-    model, port, host = _flag(command, "--model-path"), _flag(command, "--port"), _flag(command, "--host")
-    assert model and port and host, command
-    argv = [HSX, "serve-reference", "--model", model, "--dump-dir", env["SGLANG_HS_DUMP_DIR"]]
-    argv += ["--host", host, "--port", port, "--threads", "1"]
-    if "--return-aux-hidden-state-layer-ids" in command:
-        start = command.index("--return-aux-hidden-state-layer-ids") + 1
-        ids = [x for x in command[start:] if x.isdigit()]
-        argv += ["--aux-layer-ids", *ids]
-    delay = _flag(command, "--delay-ms")  # test hook, passed through server.extraArgs
-    if delay:
-        argv += ["--delay-ms", delay]
-    return argv
-
-
-def extractor_argv(container: dict, pod: dict) -> list[str]:
-    command = list(container["command"])
-    assert command[0] == "hsx", command
-    return [HSX, *command[1:]]
-
-
 @pytest.fixture(scope="session")
 def hsx_node(node_agent: Any, tiny_model: Path) -> Any:
     """The node agent with the hsx images registered (the operator's default image names)."""
-    node_agent.register_image("ghcr.io/hsx-dev/hsx-sglang:*", reference_server_argv)
-    node_agent.register_image("ghcr.io/hsx-dev/hsx-extractor:*", extractor_argv)
+    register_hsx_images(node_agent, operator=False)
     return node_agent
 
 
