@@ -46,9 +46,13 @@ def extractor_argv(container: dict[str, Any], pod: dict[str, Any]) -> list[str]:
 
 
 def operator_argv(container: dict[str, Any], pod: dict[str, Any]) -> list[str]:
-    """The chart's container, run as the venv's console script with exactly the chart's arguments."""
-    assert container["command"] == ["hsx-operator"], container["command"]
-    return [str(BIN / "hsx-operator"), *container.get("args", [])]
+    """The chart's containers: the operator's console script, or the image's python (`helm test`), from
+    this venv with exactly the chart's arguments."""
+    command = list(container["command"])
+    if command == ["hsx-operator"]:
+        return [str(BIN / "hsx-operator"), *container.get("args", [])]
+    assert command[0] == "python", command
+    return [sys.executable, *command[1:], *container.get("args", [])]
 
 
 def register_hsx_images(node_agent: Any, *, operator: bool = True) -> None:

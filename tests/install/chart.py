@@ -43,16 +43,27 @@ def set_args(values: dict[str, str]) -> list[str]:
 
 
 def render_text(
-    values: dict[str, str] | None = None, namespace: str = "hsx-system", release: str = "hsx"
+    values: dict[str, str] | None = None,
+    namespace: str = "hsx-system",
+    release: str = "hsx",
+    *,
+    with_tests: bool = True,
 ) -> str:
-    return helm("template", release, str(CHART), "--namespace", namespace, *set_args(values or {})).stdout
+    skip = [] if with_tests else ["--skip-tests"]
+    return helm("template", release, str(CHART), "--namespace", namespace, *skip, *set_args(values or {})).stdout
 
 
 def render(
-    values: dict[str, str] | None = None, namespace: str = "hsx-system", release: str = "hsx"
+    values: dict[str, str] | None = None,
+    namespace: str = "hsx-system",
+    release: str = "hsx",
+    *,
+    with_tests: bool = False,
 ) -> list[dict[str, Any]]:
-    """The chart's manifests (CRDs excluded: helm template leaves crds/ out unless --include-crds)."""
-    return [d for d in yaml.safe_load_all(render_text(values, namespace, release)) if d]
+    """The chart's manifests as installed (CRDs excluded: helm template leaves crds/ out unless
+    --include-crds; `helm test`'s hook objects only with `with_tests`)."""
+    text = render_text(values, namespace, release, with_tests=with_tests)
+    return [d for d in yaml.safe_load_all(text) if d]
 
 
 def find(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> list[dict[str, Any]]:

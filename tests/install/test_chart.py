@@ -280,3 +280,25 @@ def test_network_policy_admits_only_the_operator_to_the_pods_it_makes() -> None:
     # Without watchNamespaces the policy guards the release's namespace; it can be switched off.
     assert [p["metadata"]["namespace"] for p in find(render(), "NetworkPolicy")] == ["hsx-system"]
     assert not find(render({"networkPolicy.enabled": "false"}), "NetworkPolicy")
+
+
+@pytest.mark.parametrize(("values", "target"), [("defaults", "hsx-system"), ("namespaced", "ml")])
+def test_helm_test_probes_a_watched_namespace_with_rights_only_there(values: str, target: str) -> None:
+    tests = [
+        d
+        for d in render(VALUE_SETS[values], with_tests=True)
+        if d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"
+    ]
+    assert sorted(d["kind"] for d in tests) == ["Pod", "Role", "RoleBinding", "ServiceAccount"]
+    (pod,) = find(tests, "Pod")
+    (role,) = find(tests, "Role")
+    (sa,) = find(tests, "ServiceAccount")
+    (operator,) = find(render(VALUE_SETS[values]), "Deployment")
+    (container,) = pod["spec"]["containers"]
+    assert container["command"] == ["python", "-m", "hsx_operator.selftest", "--namespace", target]
+    assert container["image"] == operator["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert container["securityContext"] == operator["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    assert pod["spec"]["serviceAccountName"] == sa["metadata"]["name"] and pod["spec"]["restartPolicy"] == "Never"
+    assert role["metadata"]["namespace"] == target
+    assert rules_of(role) == {("hsx.dev", "extractionjobs"), ("batch", "jobs")}
+    assert {v for rule in role["rules"] for v in rule["verbs"]} == {"create", "get", "delete"}

@@ -63,7 +63,10 @@ def test_rendered_chart_passes_a_server_side_dry_run(
     if values.get("rbac.namespaced"):
         values = {**values, "watchNamespaces": f"{{{namespace}}}"}
     rendered = tmp_path / "chart.yaml"
-    rendered.write_text(render_text(values, namespace=namespace, release=f"dry-{uuid.uuid4().hex[:6]}"))
+    rendered.write_text(
+        # helm test's pod names a ServiceAccount a dry run never creates; `helm test` below runs it for real.
+        render_text(values, namespace=namespace, release=f"dry-{uuid.uuid4().hex[:6]}", with_tests=False)
+    )
     result = kube_cluster.kubectl(
         "apply", "--dry-run=server", "--validate=strict", "-f", str(rendered), check=False
     )
@@ -289,3 +292,45 @@ def test_ttl_cleanup_of_a_finished_run_does_not_start_it_again(kube_cluster: Any
         get(kube_cluster, ns, "extractionjob", "ttl")["metadata"]["resourceVersion"]
         == final["metadata"]["resourceVersion"]
     )
+
+
+def selftest_log(node_agent: Any, installed: Install) -> str:
+    """What helm test's pod printed, in all its runs (the node keeps it after a passed test deletes the pod)."""
+    return str(node_agent.logs(installed.namespace, f"{installed.release}-selftest", "selftest"))
+
+
+def test_helm_test_proves_the_install_and_fails_without_an_operator(
+    kube_cluster: Any, node_agent: Any, installed: Install
+) -> None:
+    """Last in this module: it stops the operator for a while."""
+    ns = installed.jobs_namespace
+    passed = helm("test", installed.release, "--namespace", installed.namespace, "--timeout", "180s",
+                  kubeconfig=kube_cluster.kubeconfig, check=False)  # fmt: skip
+    assert passed.returncode == 0, passed.stdout + passed.stderr + selftest_log(node_agent, installed)
+    assert "Succeeded" in passed.stdout, passed.stdout
+    assert "the install works" in selftest_log(node_agent, installed)
+    xjs = get(kube_cluster, ns, "extractionjobs")["items"]
+    assert not [x for x in xjs if x["metadata"]["name"].startswith("hsx-selftest-")], "selftest left its run"
+    assert not [j for j in get(kube_cluster, ns, "jobs")["items"] if "selftest" in j["metadata"]["name"]]
+
+    # Without an operator the same test fails, saying so (the check can fail).
+    deployment = f"deployment/{installed.release}"
+    kube_cluster.kubectl("scale", deployment, "-n", installed.namespace, "--replicas=0")
+    try:
+        wait_for(
+            "the operator's pod to go",
+            lambda: not [
+                p
+                for p in get(kube_cluster, installed.namespace, "pods")["items"]
+                if not p["metadata"]["name"].endswith("-selftest")
+            ],
+        )
+        failed = helm("test", installed.release, "--namespace", installed.namespace, "--timeout", "180s",
+                      kubeconfig=kube_cluster.kubeconfig, check=False)  # fmt: skip
+        assert failed.returncode != 0, failed.stdout
+        assert "no operator wrote the status" in selftest_log(node_agent, installed)
+    finally:
+        kube_cluster.kubectl("scale", deployment, "-n", installed.namespace, "--replicas=1")
+        kube_cluster.kubectl(
+            "rollout", "status", deployment, "-n", installed.namespace, "--timeout=180s", check=False
+        )
