@@ -11,7 +11,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import kubernetes
 from kubernetes.client.rest import ApiException
@@ -58,12 +58,12 @@ def run(namespace: str, timeout_s: float, say: Callable[[str], None]) -> None:
     try:
         api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, probe_manifest(name, namespace))
     except ApiException as exc:
-        raise SelfTestFailed(f"the API server refused ExtractionJob {namespace}/{name}: {exc.status} {exc.body}")
+        raise SelfTestFailed(f"the API server refused ExtractionJob {namespace}/{name}: {exc.status} {exc.body}") from exc
     say(f"created suspended ExtractionJob {namespace}/{name}")
     try:
 
         def answered() -> dict[str, Any] | None:
-            xj: dict[str, Any] = api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+            xj = cast(dict[str, Any], api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))
             status: dict[str, Any] = xj.get("status") or {}
             return status if status.get("observedGeneration") == xj["metadata"]["generation"] else None
 
