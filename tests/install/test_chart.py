@@ -249,7 +249,8 @@ def test_crd_default_images_follow_the_app_version() -> None:
 def test_notes_tell_the_next_steps() -> None:
     result = helm("install", "hsx", str(CHART), "--dry-run=client", "--namespace", "hsx-system")
     notes = result.stdout.split("NOTES:", 1)[1]
-    for step in ("rollout status", "examples/minimal.yaml", "hsx estimate", "runId", "argocd-health.lua"):
+    for step in ("rollout status", "helm test hsx -n hsx-system", "examples/minimal.yaml", "hsx estimate", "runId",
+                 "argocd-health.lua"):  # fmt: skip
         assert step in notes, step
     # The commands it shows are real: hsx's own parser accepts them (it printed --aux-layers, no such flag).
     from hsx_extractor.tools.cli import parser

@@ -146,8 +146,8 @@ def test_kueue_admits_preempts_and_resumes_a_run(
         )
     )
     held = wait_for(queued(ns, "low"), 120, "the low run to be preempted and Queued")
-    assert "Kueue holds Job low-r1 in queue team-a" in held["message"], held
-    assert "evicted" in held["message"] or "quotareserved" in held["message"], held
+    assert "Kueue holds Job low-r1 in queue team-a; Workload job-low-r1-" in held["message"], held
+    assert "evicted: Preempted to accommodate a workload" in held["message"], held
     low_job = ns.get("job", "low-r1")
     assert low_job is not None and low_job["spec"]["suspend"] is True
     wait_for(lambda: not ns.pods_of("low-r1"), 120, "the preempted run's pods to be deleted")
