@@ -3,7 +3,9 @@ commits to a real S3 server (SeaweedFS), side by side in one run with
 
 * the ceiling: a plain concurrent multipart upload of the same number of bytes to the same
   server (boto3 with the extractor's client settings, part size and concurrency), and
-* a seed-style baseline: one ``torch.save`` file per sample, then a sequential upload of them.
+* a seed-style baseline: one ``torch.save`` file per sample, then a sequential upload of them;
+* and, apart from any S3 server's cost, the same extraction into ``bench.null_s3`` (an S3-compatible sink
+  that discards bodies, conditional writes honoured): the extractor's own core-s per GB (issue 17 item 1).
 
     .venv/bin/python -m bench.b1_dataplane [--hidden 4096] [--mib 512] [--no-profile]
 
@@ -26,6 +28,7 @@ import numpy as np
 
 from bench.common import (
     ThreadProfiles,
+    null_sink,
     raw_bytes,
     rmtree,
     scratch,
@@ -152,7 +155,7 @@ def run_b1(hidden: int = 4096, mib: int = 512, shard_mib: int = 128, profile: bo
     try:
         tok = tokenizer_dir(work)
         dataset = token_rows(work / "rows.jsonl", lengths, SEED)
-        with start_s3_server(work / "s3") as s3, synth_server(dumps, hidden, hi) as synth:
+        with start_s3_server(work / "s3") as s3, synth_server(dumps, hidden, hi) as synth, null_sink() as sink:
             os.environ.update(s3.env())
             bucket = s3.create_bucket()
             client = s3.client()
@@ -184,6 +187,11 @@ def run_b1(hidden: int = 4096, mib: int = 512, shard_mib: int = 128, profile: bo
                            shards=len(result.manifest["shards"]))
                     if compression == "none":
                         object_sizes = [s["bytesStored"] for s in result.manifest["shards"]]
+                    cfg = extract_config(f"n{round_}-{compression.replace('-', '')}", dataset, tok, synth.url,
+                                         dumps, sink, "null", compression, shard_mib << 20)
+                    wall, cpu, result = timed(lambda c=cfg: run_extract(c))  # type: ignore[misc]
+                    record(f"hsx extract ({compression}) -> null sink", wall, cpu,
+                           core_s_per_gb=cpu / (nbytes / 1e9))
                 wall, cpu, _ = timed(lambda sizes=object_sizes: plain_multipart(  # type: ignore[misc]
                     ceiling_client, bucket, sizes, defaults.partSizeBytes, defaults.uploadConcurrency))
                 record("ceiling: plain multipart", wall, cpu)

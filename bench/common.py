@@ -98,6 +98,21 @@ def synth_server(dump_dir: Path, hidden: int, pool_rows: int, *extra: str) -> It
             proc.wait()
 
 
+@contextlib.contextmanager
+def null_sink() -> Iterator[str]:
+    """``python -m bench.null_s3`` on a free 127.0.0.1 port (its endpoint URL); stopped on exit."""
+    proc = subprocess.Popen([sys.executable, "-m", "bench.null_s3"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line.startswith("listening "):
+            raise RuntimeError(f"null sink did not start: {line!r}")
+        yield line.split()[1]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
 def tokenizer_dir(root: Path) -> Path:
     """The tiny model's locally trained tokenizer (the benchmarks send pre-tokenized rows)."""
     from hsx_extractor.tools.tinymodel import TinyModelSpec, build_tokenizer

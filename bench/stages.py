@@ -1,0 +1,186 @@
+"""The extractor's per-sample stages, each alone: core-seconds per GB of raw hidden states and 1 -> N thread scaling.
+
+    .venv/bin/python -m bench.stages [--tokens 2048] [--hidden 7168] [--rounds 5] [--threads 2]
+
+One sample's dump (3 aux layers + final, bf16, activation-like values as bench_compression makes them) is
+written to /dev/shm as the server writes it, then each stage runs as the extractor runs it, on hsx's own code:
+
+  map       protocol-style read-only mapping with MAP_POPULATE (page-table work of the dump)
+  validate  run.validate.count_non_finite (the Inf/NaN scan)
+  split     storage.compress.split_planes (bf16 -> high and low byte planes)
+  zstd      the codec's zstd on the high plane (storage.compress._cctx)
+  xxh3      the sample checksum (storage.shard_format.checksum) over the encoded bytes
+  spool     writing the encoded bytes to the shard spool: into a reused file or a fresh one, on tmpfs
+            (/dev/shm) and on disk ($TMPDIR or /var/tmp), the choice of issue 17 item 6
+
+core-s/GB is the thread CPU time of one stage over one sample (median of --rounds), per GB of raw states.
+Scaling runs N copies of the stage on N samples in N threads and compares the wall time with one: 1.0 means
+the stage holds the GIL (or a shared resource) for its whole duration, N means it scales with cores. The
+baseline in the same run is a plain memcpy of the raw bytes (numpy copy into a reused buffer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "extractor"))
+from bench.bench_compression import activation_like
+from bench.common import rmtree, scratch, write_result
+from hsx_extractor.run.validate import count_non_finite
+from hsx_extractor.storage.compress import _cctx, split_planes
+from hsx_extractor.storage.shard_format import checksum
+from hsx_extractor.storage.spool import pwrite_all
+
+GB = 1e9
+LAYERS = 4  # 3 aux + final
+
+
+def make_dump(directory: Path, tokens: int, hidden: int, seed: int) -> Path:
+    rng = np.random.default_rng(seed)
+    values = np.concatenate([activation_like(rng, tokens, hidden, 0.5, True) for _ in range(LAYERS)])
+    path = directory / f"dump-{seed}.bin"
+    path.write_bytes(values.tobytes())
+    return path
+
+
+def mapped(path: Path) -> np.ndarray:
+    with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        view = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ)
+    return np.frombuffer(view, dtype=np.uint16)
+
+
+class Sample:
+    """One dump and the intermediate results each later stage starts from (computed once, untimed)."""
+
+    def __init__(self, path: Path, spool_dirs: dict[str, Path]):
+        self.path = path
+        self.bits = mapped(path)
+        self.high, self.low = split_planes(self.bits)
+        self.frame = _cctx().compress(self.high.data)
+        self.encoded = [self.frame, self.low.data]
+        self.copy_into = np.empty_like(self.bits)
+        self.spool_dirs = spool_dirs
+        self.reused = {name: tempfile.TemporaryFile(dir=d) for name, d in spool_dirs.items()}  # noqa: SIM115 (close())
+        for f in self.reused.values():  # the reused file's blocks already exist, as after the first shard
+            pwrite_all(f.fileno(), self.encoded, 0)
+
+    @property
+    def raw_bytes(self) -> int:
+        return int(self.bits.nbytes)
+
+    def close(self) -> None:
+        for f in self.reused.values():
+            f.close()
+
+
+def _fresh_spool(sample: Sample, where: str) -> None:
+    with tempfile.TemporaryFile(dir=sample.spool_dirs[where]) as f:
+        pwrite_all(f.fileno(), sample.encoded, 0)
+
+
+def stages(spool_dirs: dict[str, Path]) -> dict[str, Callable[[Sample], object]]:
+    out: dict[str, Callable[[Sample], object]] = {
+        "baseline memcpy": lambda s: np.copyto(s.copy_into, s.bits),
+        "map": lambda s: mapped(s.path),
+        "validate": lambda s: count_non_finite(s.bits),
+        "split": lambda s: split_planes(s.bits),
+        "zstd": lambda s: _cctx().compress(s.high.data),
+        "xxh3": lambda s: checksum(s.frame) + checksum(s.low.data),
+    }
+    for where in spool_dirs:
+        out[f"spool reused ({where})"] = lambda s, w=where: pwrite_all(s.reused[w].fileno(), s.encoded, 0)
+        out[f"spool fresh ({where})"] = lambda s, w=where: _fresh_spool(s, w)
+    return out
+
+
+def thread_cpu(fn: Callable[[], object]) -> float:
+    start = time.thread_time()
+    fn()
+    return time.thread_time() - start
+
+
+def scaling(fn: Callable[[Sample], object], samples: list[Sample], threads: int, repeats: int = 3) -> float:
+    """Speed-up of `threads` concurrent runs (one sample each) over one run, by wall time (best of repeats)."""
+
+    def wall(n: int) -> float:
+        best = float("inf")
+        with ThreadPoolExecutor(n) as pool:
+            for _ in range(repeats):
+                barrier = threading.Barrier(n)
+
+                def one(s: Sample, gate: threading.Barrier = barrier) -> None:
+                    gate.wait()
+                    fn(s)
+
+                start = time.perf_counter()
+                list(pool.map(one, samples[:n]))
+                best = min(best, time.perf_counter() - start)
+        return best
+
+    one_alone = wall(1)
+    return threads * one_alone / wall(threads)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog="python -m bench.stages", description=__doc__)
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per sample")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2, help="N for the 1 -> N scaling")
+    args = p.parse_args(argv)
+
+    shm = scratch("stages", shm=True)
+    disk = Path(tempfile.mkdtemp(prefix="hsx-bench-stages-", dir=os.environ.get("TMPDIR") or "/var/tmp"))
+    spool_dirs = {"tmpfs": shm, "disk": disk}
+    samples: list[Sample] = []
+    try:
+        samples = [Sample(make_dump(shm, args.tokens, args.hidden, seed), spool_dirs) for seed in range(args.threads)]
+        raw = samples[0].raw_bytes
+        results: dict[str, Any] = {}
+        for name, fn in stages(spool_dirs).items():
+            rounds = [thread_cpu(lambda f=fn: f(samples[0])) * GB / raw for _ in range(args.rounds)]
+            results[name] = {
+                "core_s_per_gb": statistics.median(rounds),
+                "rounds": rounds,
+                f"speedup_1_to_{args.threads}_threads": scaling(fn, samples, args.threads),
+            }
+            r = results[name]
+            print(
+                f"{name:24s} {r['core_s_per_gb']:7.3f} core-s/GB   "
+                f"x{r[f'speedup_1_to_{args.threads}_threads']:.2f} on {args.threads} threads",
+                flush=True,
+            )
+        ratio = {k: v["core_s_per_gb"] / results["baseline memcpy"]["core_s_per_gb"] for k, v in results.items()}
+        data = {
+            "params": vars(args),
+            "raw_bytes_per_sample": raw,
+            "stages": results,
+            "vs_memcpy": ratio,
+        }
+        path = write_result("stages", data)
+        print(f"wrote {path}")
+        return data
+    finally:
+        for s in samples:
+            s.close()
+        rmtree(shm)
+        rmtree(disk)
+
+
+if __name__ == "__main__":
+    main()
