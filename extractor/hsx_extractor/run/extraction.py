@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
@@ -105,6 +106,26 @@ class RunResult:
     manifest: dict[str, Any] | None = None
 
 
+def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> float:
+    """CPUs this process may use: the cgroup's CPU limit (a pod's limits.cpu) when there is one, else the
+    CPUs it may be scheduled on."""
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            return max(int(quota) / int(period), 1.0)
+    except (OSError, ValueError):
+        pass
+    return float(len(os.sched_getaffinity(0)))
+
+
+def encode_workers(cores: float | None = None) -> int:
+    """Threads that encode samples: one per usable core, at most 16 (HSX_ENCODE_THREADS overrides)."""
+    wanted = os.environ.get("HSX_ENCODE_THREADS")
+    if wanted:
+        return max(1, int(wanted))
+    return max(1, min(16, round(cores if cores is not None else usable_cores())))
+
+
 class Extraction:
     def __init__(self, cfg: ExtractConfig, progress: Progress | None = None) -> None:
         self.cfg = replica_from_env(cfg)
@@ -114,7 +135,7 @@ class Extraction:
         )
         # A fresh key per process: a restarted extractor never reuses a rid the server has seen.
         self.run_key = RunKey(cfg.runId, self.cfg.replicaIndex, os.urandom(3).hex())
-        self.store_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsx-store")
+        self.encode_threads = ThreadPoolExecutor(max_workers=encode_workers(), thread_name_prefix="hsx-encode")
         self.seal_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hsx-seal")
         c = self.cfg.validation.consistency
         self.consistency_gate = ConsistencyGate(c.maxFailureRate, c.minChecks)
@@ -387,7 +408,7 @@ class Extraction:
             self.progress,
             self.gate,
             self.run_key,
-            self.store_thread,
+            self.encode_threads,
             self.seal_threads,
             self.consistency_for(shape, plan, todo),
         )
@@ -398,7 +419,7 @@ class Extraction:
             await asyncio.to_thread(worker.abort_open)
             raise
         finally:
-            self.store_thread.shutdown(wait=False)
+            self.encode_threads.shutdown(wait=False)
             self.seal_threads.shutdown(wait=False)
             if ctx.consistency is not None:
                 c, g = ctx.consistency, self.consistency_gate
