@@ -11,9 +11,12 @@ from hypothesis.extra import numpy as hnp
 from hsx_extractor.storage.compress import (
     CODEC_BF16_SPLIT_ZSTD,
     CODEC_RAW,
+    SPLIT_CHUNK_VALUES,
     CodecError,
+    PlaneBuffers,
     decode_bf16,
     encode_bf16,
+    encode_bf16_parts,
     join_planes,
     split_planes,
 )
@@ -143,3 +146,31 @@ def test_fp8_falls_back_to_raw_when_rows_are_too_narrow_to_pay_for_their_scales(
 
     values = activations(np.random.default_rng(5), 100, 4)
     assert encode_bf16(values, CODEC_FP8)[0] == CODEC_RAW
+
+
+@pytest.mark.parametrize("size", [0, 1, SPLIT_CHUNK_VALUES - 1, SPLIT_CHUNK_VALUES, 3 * SPLIT_CHUNK_VALUES + 7])
+def test_planes_split_into_reused_buffers_equal_a_fresh_split(size: int) -> None:
+    bits = np.random.default_rng(size).integers(0, 1 << 16, size, dtype=np.uint16)
+    planes = PlaneBuffers()
+    high, low = planes.split(bits)
+    want_high, want_low = split_planes(bits)
+    assert np.array_equal(high, want_high) and np.array_equal(low, want_low)
+
+
+def test_plane_buffers_are_reused_only_after_reuse() -> None:
+    planes = PlaneBuffers()
+    a = np.arange(1000, dtype=np.uint16)
+    first_high, first_low = planes.split(a)
+    second_high, _ = planes.split(a[:500])  # same sample: new buffers, the first planes stay intact
+    assert not np.shares_memory(first_high, second_high)
+    assert np.array_equal(first_low, split_planes(a)[1])
+    planes.reuse()
+    again_high, _ = planes.split(a[::-1].copy())  # next sample: the first buffer again
+    assert np.shares_memory(again_high, first_high)
+    assert np.array_equal(again_high, split_planes(a[::-1].copy())[0])
+
+
+def test_encoding_with_plane_buffers_stores_the_same_bytes() -> None:
+    values = np.random.default_rng(7).integers(0x3C00, 0x4200, 5000, dtype=np.uint16)
+    used, parts = encode_bf16_parts(values, CODEC_BF16_SPLIT_ZSTD, PlaneBuffers())
+    assert (used, b"".join(bytes(p) for p in parts)) == encode_bf16(values, CODEC_BF16_SPLIT_ZSTD)

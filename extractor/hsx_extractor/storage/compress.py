@@ -69,6 +69,47 @@ def split_planes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (bits >> 8).astype(np.uint8), bits.astype(np.uint8)
 
 
+SPLIT_CHUNK_VALUES: Final = 1 << 16  # the shift's uint16 temporary stays in cache
+
+
+class PlaneBuffers:
+    """Byte planes written into buffers kept from sample to sample (one set per encoding thread).
+
+    Fresh planes per tensor cost a page fault per 4 KiB touched, more than the split itself
+    (issue 17). A plane handed out stays valid until :meth:`reuse`: call it once the previous
+    sample's encoded parts are written out.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[np.ndarray] = []
+        self._taken = 0
+        self._shift = np.empty(SPLIT_CHUNK_VALUES, dtype=np.uint16)
+
+    def reuse(self) -> None:
+        self._taken = 0
+
+    def _take(self, size: int) -> np.ndarray:
+        if self._taken == len(self._buffers):
+            self._buffers.append(np.empty(0, dtype=np.uint8))
+        if self._buffers[self._taken].size < size:
+            self._buffers[self._taken] = np.empty(size, dtype=np.uint8)
+        out = self._buffers[self._taken][:size]
+        self._taken += 1
+        return out
+
+    def split(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Like :func:`split_planes`, into this object's buffers, a cache-sized chunk at a time."""
+        bits = _as_bf16_bits(values)
+        high, low = self._take(bits.size), self._take(bits.size)
+        for start in range(0, bits.size, SPLIT_CHUNK_VALUES):
+            part = bits[start : start + SPLIT_CHUNK_VALUES]
+            shifted = self._shift[: part.size]
+            np.right_shift(part, 8, out=shifted)
+            np.copyto(high[start : start + part.size], shifted, casting="unsafe")
+            np.copyto(low[start : start + part.size], part, casting="unsafe")
+        return high, low
+
+
 def join_planes(high: bytes | memoryview | np.ndarray, low: bytes | memoryview | np.ndarray) -> np.ndarray:
     """Inverse of :func:`split_planes`: the uint16 bf16 bits."""
     hi = np.frombuffer(high, dtype=np.uint8) if not isinstance(high, np.ndarray) else high
@@ -82,8 +123,11 @@ def join_planes(high: bytes | memoryview | np.ndarray, low: bytes | memoryview |
     return bits
 
 
-def encode_bf16_parts(values: np.ndarray, codec: str) -> tuple[str, list[bytes | memoryview]]:
-    """Like :func:`encode_bf16`, but the stored bytes as buffers to concatenate (saves a copy)."""
+def encode_bf16_parts(
+    values: np.ndarray, codec: str, planes: PlaneBuffers | None = None
+) -> tuple[str, list[bytes | memoryview]]:
+    """Like :func:`encode_bf16`, but the stored bytes as buffers to concatenate (saves a copy).
+    With ``planes`` the low plane returned lives in its buffers (valid until it is reused)."""
     bits = _as_bf16_bits(values)
     if codec == CODEC_RAW or bits.size == 0:
         return CODEC_RAW, [bits.data.cast("B")]
@@ -95,7 +139,7 @@ def encode_bf16_parts(values: np.ndarray, codec: str) -> tuple[str, list[bytes |
         return CODEC_FP8, [codes.reshape(-1).data, scales.astype("<f4").data.cast("B")]
     if codec != CODEC_BF16_SPLIT_ZSTD:
         raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
-    high, low = split_planes(bits)
+    high, low = planes.split(bits) if planes is not None else split_planes(bits)
     frame = _cctx().compress(high.data)
     if len(frame) + low.size >= 2 * bits.size:  # does not pay: store raw
         return CODEC_RAW, [bits.data.cast("B")]

@@ -26,6 +26,7 @@ from hsx_extractor.storage.compress import (
     CODEC_RAW,
     CODECS,
     CodecError,
+    PlaneBuffers,
     decode_bf16_array,
     encode_bf16_parts,
 )
@@ -222,8 +223,9 @@ class EncodedSample:
 _LOGICAL_DTYPE = {INPUT_IDS: "I32", LOSS_MASK: "U8", AUX: "BF16", FINAL: "BF16"}
 
 
-def encode_sample(rec: SampleRecord, codec: str) -> EncodedSample:
-    """Stored bytes of one sample; hidden states with ``codec``, ids and mask raw."""
+def encode_sample(rec: SampleRecord, codec: str, planes: PlaneBuffers | None = None) -> EncodedSample:
+    """Stored bytes of one sample; hidden states with ``codec``, ids and mask raw. With ``planes``,
+    parts may live in its buffers: write them out before the buffers are reused."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
     parts: list[bytes | memoryview] = []
@@ -231,7 +233,7 @@ def encode_sample(rec: SampleRecord, codec: str) -> EncodedSample:
     offset = 0
     for name, array in rec.tensors().items():
         if _LOGICAL_DTYPE[name] == "BF16":
-            used, stored = encode_bf16_parts(array, codec)
+            used, stored = encode_bf16_parts(array, codec, planes)
         else:
             raw = np.ascontiguousarray(array, dtype=_DTYPES[_LOGICAL_DTYPE[name]])
             used, stored = CODEC_RAW, [raw.data.cast("B")]

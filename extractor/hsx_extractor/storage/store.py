@@ -39,6 +39,7 @@ from hsx_extractor.storage.backends import (
     TransientStoreError,
 )
 from hsx_extractor.storage.commit_record import MAX_COMMIT_BYTES, QuarantineEntry, ShardCommit
+from hsx_extractor.storage.compress import PlaneBuffers
 from hsx_extractor.storage.layer_stats import combine, layer_norms, sample_norm_sums
 from hsx_extractor.storage.layout import MANIFEST_NAME, RunLayout, parse_output_uri, validate_name
 from hsx_extractor.storage.manifest import build_manifest
@@ -63,6 +64,15 @@ if TYPE_CHECKING:
 
 HEAD_PROBE_BYTES = 64 << 10  # first read of a shard; usually holds the whole header
 MAX_NAMED_JSON_BYTES = 1 << 30  # plan.json and manifest.json: beyond this, damage
+
+
+_local = threading.local()
+
+
+def _thread_planes() -> PlaneBuffers:
+    if not hasattr(_local, "planes"):
+        _local.planes = PlaneBuffers()
+    return _local.planes  # type: ignore[no-any-return]
 
 
 class ShardBuilder:
@@ -91,7 +101,9 @@ class ShardBuilder:
             raise ValueError(f"sample index {index} was already added to shard {self.shard_index}")
 
     def add(self, sample: SampleRecord) -> None:
-        encoded = encode_sample(sample, self._codec)  # CPU work outside the lock
+        planes = _thread_planes()
+        planes.reuse()  # this thread's previous sample is in its spool already
+        encoded = encode_sample(sample, self._codec, planes)  # CPU work outside the lock
         counts = count_masked(sample.input_ids, sample.loss_mask)
         norms = sample_norm_sums(sample.aux_hidden_states, sample.hidden_states, sample.hidden_states.shape[1])
         with self._lock:
