@@ -7,9 +7,12 @@ written to /dev/shm as the server writes it, then each stage runs as the extract
 
   map       protocol-style read-only mapping with MAP_POPULATE (page-table work of the dump)
   validate  run.validate.count_non_finite (the Inf/NaN scan)
-  split     storage.compress.split_planes (bf16 -> high and low byte planes)
+  split     storage.compress.split_planes (bf16 -> high and low byte planes, fresh arrays), and the
+            extractor's way since issue 17: PlaneBuffers.split (chunked, into per-thread reused buffers)
   zstd      the codec's zstd on the high plane (storage.compress._cctx)
   xxh3      the sample checksum (storage.shard_format.checksum) over the encoded bytes
+  encode    all of a sample's encoding as ShardBuilder.add runs it (storage.shard_format.encode_sample
+            with per-thread PlaneBuffers: split, zstd, xxh3), the work the encode threads share
   spool     writing the encoded bytes to the shard spool: into a reused file or a fresh one, on tmpfs
             (/dev/shm) and on disk ($TMPDIR or /var/tmp), the choice of issue 17 item 6
 
@@ -40,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "extractor"))
 from bench.bench_compression import activation_like
 from bench.common import rmtree, scratch, write_result
 from hsx_extractor.run.validate import count_non_finite
-from hsx_extractor.storage.compress import _cctx, split_planes
-from hsx_extractor.storage.shard_format import checksum
+from hsx_extractor.storage.compress import CODEC_BF16_SPLIT_ZSTD, PlaneBuffers, _cctx, split_planes
+from hsx_extractor.storage.shard_format import SampleRecord, checksum, encode_sample
 from hsx_extractor.storage.spool import pwrite_all
 
 GB = 1e9
@@ -67,13 +70,19 @@ def mapped(path: Path) -> np.ndarray:
 class Sample:
     """One dump and the intermediate results each later stage starts from (computed once, untimed)."""
 
-    def __init__(self, path: Path, spool_dirs: dict[str, Path]):
+    def __init__(self, path: Path, spool_dirs: dict[str, Path], hidden: int):
         self.path = path
         self.bits = mapped(path)
         self.high, self.low = split_planes(self.bits)
         self.frame = _cctx().compress(self.high.data)
         self.encoded = [self.frame, self.low.data]
         self.copy_into = np.empty_like(self.bits)
+        tokens = self.bits.size // (LAYERS * hidden)
+        aux_values = (LAYERS - 1) * tokens * hidden  # the aux block [L, K*H], then the final [L, H]
+        aux = self.bits[:aux_values].reshape(tokens, (LAYERS - 1) * hidden)
+        final = self.bits[aux_values:].reshape(tokens, hidden)
+        ids = np.arange(tokens, dtype=np.int32)
+        self.record = SampleRecord(0, "s", ids, np.ones(tokens, dtype=np.uint8), aux, final)
         self.spool_dirs = spool_dirs
         self.reused = {name: tempfile.TemporaryFile(dir=d) for name, d in spool_dirs.items()}  # noqa: SIM115 (close())
         for f in self.reused.values():  # the reused file's blocks already exist, as after the first shard
@@ -88,6 +97,15 @@ class Sample:
             f.close()
 
 
+_local = threading.local()
+
+
+def _planes() -> PlaneBuffers:
+    if not hasattr(_local, "planes"):
+        _local.planes = PlaneBuffers()
+    return _local.planes  # type: ignore[no-any-return]
+
+
 def _fresh_spool(sample: Sample, where: str) -> None:
     with tempfile.TemporaryFile(dir=sample.spool_dirs[where]) as f:
         pwrite_all(f.fileno(), sample.encoded, 0)
@@ -98,9 +116,11 @@ def stages(spool_dirs: dict[str, Path]) -> dict[str, Callable[[Sample], object]]
         "baseline memcpy": lambda s: np.copyto(s.copy_into, s.bits),
         "map": lambda s: mapped(s.path),
         "validate": lambda s: count_non_finite(s.bits),
-        "split": lambda s: split_planes(s.bits),
+        "split fresh": lambda s: split_planes(s.bits),
+        "split reused": lambda s: _planes().split(s.bits) and _planes().reuse(),
         "zstd": lambda s: _cctx().compress(s.high.data),
         "xxh3": lambda s: checksum(s.frame) + checksum(s.low.data),
+        "encode": lambda s: encode_sample(s.record, CODEC_BF16_SPLIT_ZSTD, _planes()) and _planes().reuse(),
     }
     for where in spool_dirs:
         out[f"spool reused ({where})"] = lambda s, w=where: pwrite_all(s.reused[w].fileno(), s.encoded, 0)
@@ -149,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     spool_dirs = {"tmpfs": shm, "disk": disk}
     samples: list[Sample] = []
     try:
-        samples = [Sample(make_dump(shm, args.tokens, args.hidden, seed), spool_dirs) for seed in range(args.threads)]
+        samples = [Sample(make_dump(shm, args.tokens, args.hidden, seed), spool_dirs, args.hidden) for seed in range(args.threads)]
         raw = samples[0].raw_bytes
         results: dict[str, Any] = {}
         for name, fn in stages(spool_dirs).items():
