@@ -116,6 +116,10 @@ def stages(spool_dirs: dict[str, Path]) -> dict[str, Callable[[Sample], object]]
         "baseline memcpy": lambda s: np.copyto(s.copy_into, s.bits),
         "map": lambda s: mapped(s.path),
         "validate": lambda s: count_non_finite(s.bits),
+        **{
+            f"validate chunk={chunk >> 10}K": (lambda s, c=chunk: count_non_finite(s.bits, c))
+            for chunk in (1 << 18, 1 << 20)
+        },
         "split fresh": lambda s: split_planes(s.bits),
         "split reused": lambda s: _planes().split(s.bits) and _planes().reuse(),
         "zstd": lambda s: _cctx().compress(s.high.data),
