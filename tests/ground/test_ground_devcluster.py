@@ -110,9 +110,13 @@ def test_dev_cluster_runs_the_guides_extraction_and_stops_cleanly(tmp_path):
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:  # a failed step: stop it as a user would, so nothing is orphaned
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     assert proc.returncode == 0, rest
     assert "nothing left running" in rest
     assert processes_mentioning(str(workdir)) == []
