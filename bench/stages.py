@@ -100,10 +100,12 @@ class Sample:
 _local = threading.local()
 
 
-def _planes() -> PlaneBuffers:
-    if not hasattr(_local, "planes"):
-        _local.planes = PlaneBuffers()
-    return _local.planes  # type: ignore[no-any-return]
+def _planes(chunk: int | None = None) -> PlaneBuffers:
+    """This thread's plane buffers (the extractor's chunk size unless ``chunk``)."""
+    name = f"planes{chunk}"
+    if not hasattr(_local, name):
+        setattr(_local, name, PlaneBuffers() if chunk is None else PlaneBuffers(chunk))
+    return getattr(_local, name)  # type: ignore[no-any-return]
 
 
 def _fresh_spool(sample: Sample, where: str) -> None:
@@ -118,10 +120,14 @@ def stages(spool_dirs: dict[str, Path]) -> dict[str, Callable[[Sample], object]]
         "validate": lambda s: count_non_finite(s.bits),
         **{
             f"validate chunk={chunk >> 10}K": (lambda s, c=chunk: count_non_finite(s.bits, c))
-            for chunk in (1 << 18, 1 << 20)
+            for chunk in (1 << 16, 1 << 20)
         },
         "split fresh": lambda s: split_planes(s.bits),
         "split reused": lambda s: _planes().split(s.bits) and _planes().reuse(),
+        **{
+            f"split reused chunk={chunk >> 10}K": (lambda s, c=chunk: _planes(c).split(s.bits) and _planes(c).reuse())
+            for chunk in (1 << 16, 1 << 20)
+        },
         "zstd": lambda s: _cctx().compress(s.high.data),
         "xxh3": lambda s: checksum(s.frame) + checksum(s.low.data),
         "encode": lambda s: encode_sample(s.record, CODEC_BF16_SPLIT_ZSTD, _planes()) and _planes().reuse(),

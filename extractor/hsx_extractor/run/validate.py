@@ -16,7 +16,7 @@ from hsx_extractor.reasons import Reason
 
 # A bf16 value is Inf or NaN exactly when its 8 exponent bits are all ones.
 _BF16_EXPONENT = np.uint16(0x7F80)
-_CHUNK_VALUES = 1 << 16
+_CHUNK_VALUES = 1 << 18  # bench/stages.py: 64K chunks re-took the GIL too often (two threads slower than one)
 
 
 class DumpShapeError(RuntimeError):

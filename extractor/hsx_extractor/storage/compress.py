@@ -69,7 +69,7 @@ def split_planes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (bits >> 8).astype(np.uint8), bits.astype(np.uint8)
 
 
-SPLIT_CHUNK_VALUES: Final = 1 << 16  # the shift's uint16 temporary stays in cache
+SPLIT_CHUNK_VALUES: Final = 1 << 18  # bench/stages.py: 64K chunks re-took the GIL too often (x1.1 on 2 threads)
 
 
 class PlaneBuffers:
@@ -80,10 +80,11 @@ class PlaneBuffers:
     sample's encoded parts are written out.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, chunk: int = SPLIT_CHUNK_VALUES) -> None:
         self._buffers: list[np.ndarray] = []
         self._taken = 0
-        self._shift = np.empty(SPLIT_CHUNK_VALUES, dtype=np.uint16)
+        self._chunk = chunk
+        self._shift = np.empty(chunk, dtype=np.uint16)
 
     def reuse(self) -> None:
         self._taken = 0
@@ -101,8 +102,8 @@ class PlaneBuffers:
         """Like :func:`split_planes`, into this object's buffers, a cache-sized chunk at a time."""
         bits = _as_bf16_bits(values)
         high, low = self._take(bits.size), self._take(bits.size)
-        for start in range(0, bits.size, SPLIT_CHUNK_VALUES):
-            part = bits[start : start + SPLIT_CHUNK_VALUES]
+        for start in range(0, bits.size, self._chunk):
+            part = bits[start : start + self._chunk]
             shifted = self._shift[: part.size]
             np.right_shift(part, 8, out=shifted)
             np.copyto(high[start : start + part.size], shifted, casting="unsafe")
