@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import socket
 import threading
 import time
 import uuid
@@ -51,6 +52,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         pass
+
+    def setup(self) -> None:
+        super().setup()
+        # Headers and body go out in two writes: without this, Nagle and delayed ACKs stall each reply.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     # -- body ----------------------------------------------------------------------------------------
     def _buffer(self) -> memoryview:
