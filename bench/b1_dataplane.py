@@ -227,7 +227,7 @@ def profile_extract(dataset: Path, tok: Path, url: str, dumps: Path, endpoint: s
     started = time.perf_counter()
     with ThreadProfiles() as profiles:
         run_extract(cfg)
-    top = profiles.top(12)
+    top = profiles.top(int(os.environ.get("HSX_PROFILE_TOP", "12")))
     print(f"  profile of hsx extract (bf16-zstd, {time.perf_counter() - started:.1f}s under cProfile), "
           "own time summed over threads:", flush=True)
     for row in top:

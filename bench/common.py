@@ -124,11 +124,16 @@ def tokenizer_dir(root: Path) -> Path:
 
 
 def token_rows(path: Path, lengths: list[int], seed: int, vocab: int = 500) -> Path:
-    """A pre-tokenized JSONL dataset ({"id", "input_ids", "loss_mask"}) with the given lengths."""
+    """A pre-tokenized JSONL dataset ({"id", "input_ids", "loss_mask"}) with the given lengths, for the tiny
+    tokenizer of :func:`tokenizer_dir`: each row starts with its BOS, as the chat template writes it (a row
+    without is quarantined `bos_mismatch`), and holds no other special token."""
+    from hsx_extractor.tools.tinymodel import BOS, SPECIAL_TOKENS
+
+    bos = SPECIAL_TOKENS.index(BOS)  # the tiny tokenizer's ids start with its special tokens, in order
     rng = np.random.default_rng(seed)
     with path.open("w") as f:
         for i, n in enumerate(lengths):
-            ids = rng.integers(0, vocab, n).tolist()
+            ids = [bos, *rng.integers(len(SPECIAL_TOKENS), vocab, n - 1).tolist()]
             mask = (rng.random(n) < 0.5).astype(int).tolist()
             mask[-1] = 1
             f.write(json.dumps({"id": f"b{i}", "input_ids": ids, "loss_mask": mask}) + "\n")
@@ -147,15 +152,16 @@ def cpu_seconds() -> float:
 
 
 class ThreadProfiles:
-    """cProfile in every thread started while active (the extractor works in pools), merged at the end."""
+    """cProfile in every thread started while active (the extractor works in pools), merged at the end.
+    Times are each thread's CPU time (``time.thread_time``): what a function costs, not what it waited."""
 
     def __init__(self) -> None:
         self._profiles: list[cProfile.Profile] = []
         self._lock = threading.Lock()
-        self._main = cProfile.Profile()
+        self._main = cProfile.Profile(time.thread_time)
 
     def _start_in_thread(self, *_: Any) -> None:
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.thread_time)
         with self._lock:
             self._profiles.append(prof)
         prof.enable()  # replaces this bootstrap hook in the new thread
