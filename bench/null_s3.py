@@ -42,6 +42,7 @@ class Sink:
         self.lock = threading.Lock()
         self.objects: dict[tuple[str, str], Stored] = {}
         self.uploads: dict[str, tuple[str, str, float]] = {}  # upload id -> (bucket, key, started)
+        self.part_sizes: dict[str, dict[int, int]] = {}  # upload id -> part number -> bytes
         self.bytes_discarded = 0
 
 
@@ -126,7 +127,10 @@ class Handler(BaseHTTPRequestHandler):
         sink = self.sink
         if "uploadId" in query:  # UploadPart
             with sink.lock:
-                known = query["uploadId"][0] in sink.uploads
+                upload_id = query["uploadId"][0]
+                known = upload_id in sink.uploads
+                if known:
+                    sink.part_sizes.setdefault(upload_id, {})[int(query["partNumber"][0])] = size
                 sink.bytes_discarded += size
             if not known:
                 return self._error(404, "NoSuchUpload", "no such upload")
@@ -163,7 +167,8 @@ class Handler(BaseHTTPRequestHandler):
                 if self.headers.get("If-None-Match") == "*" and (bucket, key) in sink.objects:
                     return self._error(412, "PreconditionFailed", "At least one of the pre-conditions failed")
                 del sink.uploads[upload_id]
-                sink.objects[(bucket, key)] = Stored(0, etag, None, time.time())
+                size = sum(sink.part_sizes.pop(upload_id, {}).values())  # every part sent (none are checked)
+                sink.objects[(bucket, key)] = Stored(size, etag, None, time.time())
             xml = (
                 f"<CompleteMultipartUploadResult><Bucket>{escape(bucket)}</Bucket><Key>{escape(key)}</Key>"
                 f"<ETag>{escape(etag)}</ETag></CompleteMultipartUploadResult>"
@@ -177,6 +182,7 @@ class Handler(BaseHTTPRequestHandler):
             if "uploadId" in query:
                 if self.sink.uploads.pop(query["uploadId"][0], None) is None:
                     return self._error(404, "NoSuchUpload", "no such upload")
+                self.sink.part_sizes.pop(query["uploadId"][0], None)
             else:
                 self.sink.objects.pop((bucket, key), None)
         self._reply(204)
@@ -206,8 +212,12 @@ class Handler(BaseHTTPRequestHandler):
         wanted = self.headers.get("Range")
         if wanted and wanted.startswith("bytes="):
             start_s, _, end_s = wanted[6:].partition("-")
-            start = int(start_s)
-            end = min(int(end_s) if end_s else len(body) - 1, len(body) - 1)
+            if not start_s:  # a suffix: the last N bytes
+                start, end = max(len(body) - int(end_s), 0), len(body) - 1
+            else:
+                start, end = int(start_s), min(int(end_s) if end_s else len(body) - 1, len(body) - 1)
+            if start >= len(body):
+                return self._error(416, "InvalidRange", "The requested range is not satisfiable")
             headers["Content-Range"] = f"bytes {start}-{end}/{len(body)}"
             body, code = body[start : end + 1], 206
         self._reply(code, body, headers)

@@ -52,6 +52,13 @@ def _until(what: str, check: Callable[[], Any], timeout_s: float) -> Any:
 
 
 def run(namespace: str, timeout_s: float, say: Callable[[str], None]) -> None:
+    try:
+        _run(namespace, timeout_s, say)
+    except ApiException as exc:
+        raise SelfTestFailed(f"the API server answered {exc.status} {exc.reason}: {exc.body}") from exc
+
+
+def _run(namespace: str, timeout_s: float, say: Callable[[str], None]) -> None:
     api = kubernetes.client.CustomObjectsApi()
     batch = kubernetes.client.BatchV1Api()
     name = f"hsx-selftest-{uuid.uuid4().hex[:6]}"
@@ -78,7 +85,12 @@ def run(namespace: str, timeout_s: float, say: Callable[[str], None]) -> None:
                 f"{status.get('message')}), expected Suspended"
             )
         job_name = status.get("jobName") or ""
-        job = batch.read_namespaced_job(job_name, namespace) if job_name else None
+        try:
+            job = batch.read_namespaced_job(job_name, namespace) if job_name else None
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            job = None
         if job is None or job.spec is None or not job.spec.suspend:
             raise SelfTestFailed(f"the operator reported Suspended but Job {job_name!r} is missing or running")
         say(f"the operator answered: phase Suspended, Job {job_name} created suspended")

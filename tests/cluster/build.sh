@@ -105,6 +105,7 @@ else
   say "building kueue $KUEUE_VERSION (cold: ~4 min on 2 cores)"
   go_build_into "$kueue_dir" "$here/kueue" "" kueue sigs.k8s.io/kueue/cmd/kueue
   kueue_src="$(cd "$here/kueue" && go list -m -f '{{.Dir}}' sigs.k8s.io/kueue)"
+  rm -rf "$kueue_dir/crds" "$kueue_dir/crds.partial"
   mkdir -p "$kueue_dir/crds.partial"
   cp "$kueue_src"/config/components/crd/bases/*.yaml "$kueue_dir/crds.partial/"
   chmod -R u+w "$kueue_dir/crds.partial"

@@ -156,10 +156,12 @@ def kueue_installed(cluster: Any, node_agent: Any, timeout_s: float = 180) -> It
             time.sleep(1)
         yield
     finally:
-        cluster.kubectl("delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true", check=False)
+        cluster.kubectl(
+            "delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true", "--timeout=100s", check=False
+        )
         cluster.kubectl("delete", "clusterrolebinding", "kueue-test-manager", "--ignore-not-found", check=False)
         _release_leftovers(cluster, crds)
-        cluster.kubectl("delete", "-f", str(crds), "--ignore-not-found", "--wait=true", check=False)
+        cluster.kubectl("delete", "-f", str(crds), "--ignore-not-found", "--wait=true", "--timeout=100s", check=False)
         node_agent.unregister_image("registry.k8s.io/kueue/kueue:*")
 
 

@@ -10,6 +10,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -56,6 +57,28 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def read_all(fd: int, into: list[bytes]) -> None:
+    while chunk := os.read(fd, 65536):
+        into.append(chunk)
+
+
+def run_steps(steps: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """The steps in one bash, as a user pastes them; on timeout its whole process group is killed."""
+    shell = subprocess.Popen(
+        ["bash", "-euo", "pipefail", "-c", "\n".join(steps)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = shell.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(shell.pid, signal.SIGKILL)
+        out, err = shell.communicate()
+    return subprocess.CompletedProcess(shell.args, shell.returncode, out, err)
+
+
 def printed_steps(banner: str) -> list[str]:
     return [line.split("$ ", 1)[1] for line in banner.splitlines() if line.startswith("    $ ")]
 
@@ -74,6 +97,11 @@ def test_dev_cluster_runs_the_guides_extraction_and_stops_cleanly(tmp_path):
     )
     try:
         banner = read_until(proc, "Ctrl-C stops everything", 180)
+        # Keep reading its output while the steps run: a full pipe would block the dev cluster.
+        assert proc.stdout is not None
+        later: list[bytes] = []
+        drain = threading.Thread(target=read_all, args=(proc.stdout.fileno(), later), daemon=True)
+        drain.start()
         kubeconfig = re.search(r"export KUBECONFIG=(\S+)", banner)
         assert kubeconfig, banner
         nodes = subprocess.run(
@@ -90,12 +118,7 @@ def test_dev_cluster_runs_the_guides_extraction_and_stops_cleanly(tmp_path):
         steps = printed_steps(banner)
         assert any(s.startswith("helm install hsx charts/hsx") for s in steps), banner
         # The steps as a user pastes them: one shell, the last one prints `kubectl get xj`.
-        tried = subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", "\n".join(steps)],
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
+        tried = run_steps(steps, timeout_s=1200)  # helm --wait (5 min) + kubectl wait (10 min) at most
         assert tried.returncode == 0, f"{tried.stdout}\n{tried.stderr}\n{banner}"
         table = tried.stdout.splitlines()[-2:]
         assert table[0].split()[:3] == ["NAME", "PHASE", "REASON"], tried.stdout
@@ -107,16 +130,16 @@ def test_dev_cluster_runs_the_guides_extraction_and_stops_cleanly(tmp_path):
         )  # fmt: skip
         progress = json.loads(xj.stdout)["status"]["progress"]
         assert progress["samplesDone"] > 0 and progress["samplesDone"] == progress["samplesTotal"], progress
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:  # a failed step: stop it as a user would, so nothing is orphaned
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.communicate(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        # Stopped as a user would (Ctrl-C), also after a failed step, so nothing is orphaned.
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    drain.join(timeout=30)
+    rest = b"".join(later).decode(errors="replace")
     assert proc.returncode == 0, rest
     assert "nothing left running" in rest
     assert processes_mentioning(str(workdir)) == []

@@ -303,3 +303,6 @@ def test_helm_test_probes_a_watched_namespace_with_rights_only_there(values: str
     assert role["metadata"]["namespace"] == target
     assert rules_of(role) == {("hsx.dev", "extractionjobs"), ("batch", "jobs")}
     assert {v for rule in role["rules"] for v in rule["verbs"]} == {"create", "get", "delete"}
+    # Not counted as the operator by its NetworkPolicy peer or PodDisruptionBudget.
+    selector = operator["spec"]["selector"]["matchLabels"]
+    assert not selector.items() <= pod["metadata"]["labels"].items(), pod["metadata"]["labels"]

@@ -26,11 +26,24 @@ def test_the_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(("cpu_max", "cores"), [("250000 100000\n", 2.5), ("50000 100000\n", 1.0)])
 def test_a_cgroup_cpu_limit_decides(cpu_max: str, cores: float, tmp_path: Path) -> None:
     (tmp_path / "cpu.max").write_text(cpu_max)
-    assert usable_cores(tmp_path / "cpu.max") == cores
+    assert usable_cores(tmp_path) == cores
+
+
+def test_a_cgroup_v1_cpu_limit_decides(tmp_path: Path) -> None:
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("400000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert usable_cores(tmp_path) == 4.0
 
 
 @pytest.mark.parametrize("cpu_max", ["max 100000\n", None])
 def test_without_a_limit_the_cpus_it_may_run_on(cpu_max: str | None, tmp_path: Path) -> None:
     if cpu_max is not None:
         (tmp_path / "cpu.max").write_text(cpu_max)
-    assert usable_cores(tmp_path / "cpu.max") == len(os.sched_getaffinity(0))
+    assert usable_cores(tmp_path) == len(os.sched_getaffinity(0))
+
+
+def test_a_bad_override_is_a_configuration_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HSX_ENCODE_THREADS", "two")
+    with pytest.raises(Exception, match="HSX_ENCODE_THREADS must be a positive whole number"):
+        encode_workers()

@@ -174,3 +174,18 @@ def test_encoding_with_plane_buffers_stores_the_same_bytes() -> None:
     values = np.random.default_rng(7).integers(0x3C00, 0x4200, 5000, dtype=np.uint16)
     used, parts = encode_bf16_parts(values, CODEC_BF16_SPLIT_ZSTD, PlaneBuffers())
     assert (used, b"".join(bytes(p) for p in parts)) == encode_bf16(values, CODEC_BF16_SPLIT_ZSTD)
+
+
+def test_plane_buffers_let_go_of_an_unusually_long_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hsx_extractor.storage import compress
+
+    monkeypatch.setattr(compress, "PLANE_BUFFERS_KEPT_BYTES", 4000)
+    planes = PlaneBuffers()
+    small_high, _ = planes.split(np.arange(1000, dtype=np.uint16))  # 2,000 bytes of planes: kept
+    planes.reuse()
+    assert np.shares_memory(planes.split(np.arange(1000, dtype=np.uint16))[0], small_high)
+    planes.reuse()
+    long_high, _ = planes.split(np.arange(3000, dtype=np.uint16))  # 6,000 bytes: given up after this sample
+    planes.reuse()
+    again, _ = planes.split(np.arange(1000, dtype=np.uint16))
+    assert not np.shares_memory(again, long_high)

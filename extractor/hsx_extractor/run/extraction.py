@@ -106,15 +106,17 @@ class RunResult:
     manifest: dict[str, Any] | None = None
 
 
-def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> float:
-    """CPUs this process may use: the cgroup's CPU limit (a pod's limits.cpu) when there is one, else the
-    CPUs it may be scheduled on."""
-    try:
-        quota, period = cpu_max.read_text().split()[:2]
-        if quota != "max":
-            return max(int(quota) / int(period), 1.0)
-    except (OSError, ValueError):
-        pass
+def usable_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> float:
+    """CPUs this process may use: the cgroup's CPU limit (a pod's limits.cpu; cgroup v2 `cpu.max` or v1
+    `cpu.cfs_quota_us`) when there is one, else the CPUs it may be scheduled on."""
+    for quota_file, period_file in (("cpu.max", None), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
+        try:
+            text = (cgroup / quota_file).read_text().split()
+            quota, period = (text[0], text[1]) if period_file is None else (text[0], (cgroup / period_file).read_text())
+            if quota not in ("max", "-1"):
+                return max(int(quota) / int(period), 1.0)
+        except (OSError, ValueError, IndexError):
+            continue
     return float(len(os.sched_getaffinity(0)))
 
 
@@ -122,7 +124,9 @@ def encode_workers(cores: float | None = None) -> int:
     """Threads that encode samples: one per usable core, at most 16 (HSX_ENCODE_THREADS overrides)."""
     wanted = os.environ.get("HSX_ENCODE_THREADS")
     if wanted:
-        return max(1, int(wanted))
+        if not wanted.isdigit() or int(wanted) < 1:
+            raise permanent(f"HSX_ENCODE_THREADS must be a positive whole number, got {wanted!r}")
+        return int(wanted)
     return max(1, min(16, round(cores if cores is not None else usable_cores())))
 
 

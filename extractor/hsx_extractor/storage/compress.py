@@ -69,6 +69,8 @@ def split_planes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (bits >> 8).astype(np.uint8), bits.astype(np.uint8)
 
 
+# Planes kept per encoding thread between samples (a 4K-token sample at H=7168 with 3 aux layers needs 235 MB).
+PLANE_BUFFERS_KEPT_BYTES: Final = 256 << 20
 SPLIT_CHUNK_VALUES: Final = 1 << 18  # bench/stages.py: 64K chunks re-took the GIL too often (x1.1 on 2 threads)
 
 
@@ -87,6 +89,8 @@ class PlaneBuffers:
         self._shift = np.empty(chunk, dtype=np.uint16)
 
     def reuse(self) -> None:
+        if sum(b.size for b in self._buffers) > PLANE_BUFFERS_KEPT_BYTES:
+            self._buffers = []  # an unusually long sample: do not hold its size for the rest of the run
         self._taken = 0
 
     def _take(self, size: int) -> np.ndarray:
