@@ -40,6 +40,16 @@ def phase(ns: Namespace, name: str, *phases: str) -> Callable[[], dict[str, Any]
     return check
 
 
+def reason_is(ns: Namespace, name: str, *reasons: str) -> Callable[[], dict[str, Any] | None]:
+    """Status once its reason is one of ``reasons``."""
+
+    def check() -> dict[str, Any] | None:
+        st = ns.status(name)
+        return st if st.get("reason") in reasons else None
+
+    return check
+
+
 def progressed(ns: Namespace, name: str) -> Callable[[], dict[str, Any] | None]:
     """Status once some samples are done (or the run failed: no point waiting)."""
 

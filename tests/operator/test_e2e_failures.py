@@ -26,6 +26,7 @@ from tests.operator.e2e import (
     phase,
     planned_shards,
     progressed,
+    reason_is,
     run_store,
     start_slow_run,
     verify,
@@ -35,14 +36,6 @@ from tests.operator.kube_helpers import Namespace, xj_manifest
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 WRONG_FINGERPRINT = "0" * 64
-
-
-def reason_is(ns: Namespace, name: str, *reasons: str) -> Callable[[], dict[str, Any] | None]:
-    def check() -> dict[str, Any] | None:
-        st = ns.status(name)
-        return st if st.get("reason") in reasons else None
-
-    return check
 
 
 def rows_of(dataset: Path) -> int:

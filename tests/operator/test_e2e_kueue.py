@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from hsx_operator.desired import EXTRACTOR_UID
 from tests.ground.kueue import kueue_installed
@@ -20,6 +21,7 @@ from tests.operator.e2e import (
     committed_files,
     phase,
     planned_shards,
+    reason_is,
     run_store,
     start_slow_run,
     verify,
@@ -79,7 +81,7 @@ def quota_objects(namespace: str) -> list[dict[str, Any]]:
 def kueue(ns: Namespace, node_agent: Any) -> Iterator[None]:
     with kueue_installed(ns.cluster, node_agent):
         objects = quota_objects(ns.name)
-        ns.cluster.kubectl("apply", "-f", "-", input=_dump(objects))
+        ns.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))
         try:
             yield
         finally:
@@ -88,14 +90,8 @@ def kueue(ns: Namespace, node_agent: Any) -> Iterator[None]:
             ns.kubectl("delete", "workloads.kueue.x-k8s.io", "--all", "--wait=true", "--timeout=60s", check=False)
             ns.cluster.kubectl(
                 "delete", "-f", "-", "--ignore-not-found", "--wait=true", "--timeout=60s",
-                input=_dump(objects), check=False,
+                input=yaml.safe_dump_all(objects), check=False,
             )  # fmt: skip
-
-
-def _dump(objects: list[dict[str, Any]]) -> str:
-    import yaml
-
-    return yaml.safe_dump_all(objects)
 
 
 def own_output(run_env: dict[str, Any], name: str) -> dict[str, Any]:
@@ -103,14 +99,6 @@ def own_output(run_env: dict[str, Any], name: str) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     os.chown(out, EXTRACTOR_UID, EXTRACTOR_UID)
     return {**run_env, "output": out}
-
-
-def queued(ns: Namespace, name: str) -> Callable[[], dict[str, Any] | None]:
-    def check() -> dict[str, Any] | None:
-        st = ns.status(name)
-        return st if st.get("reason") == "Queued" and st.get("phase") == "Suspended" else None
-
-    return check
 
 
 def test_kueue_admits_preempts_and_resumes_a_run(
@@ -145,7 +133,8 @@ def test_kueue_admits_preempts_and_resumes_a_run(
             scheduling={"queueName": QUEUE, "priorityClassName": "hsx-test-high"},
         )
     )
-    held = wait_for(queued(ns, "low"), 120, "the low run to be preempted and Queued")
+    held = wait_for(reason_is(ns, "low", "Queued"), 120, "the low run to be preempted and Queued")
+    assert held["phase"] == "Suspended", held
     assert "Kueue holds Job low-r1 in queue team-a; Workload job-low-r1-" in held["message"], held
     assert "evicted: Preempted to accommodate a workload" in held["message"], held
     low_job = ns.get("job", "low-r1")

@@ -14,18 +14,10 @@ from typing import Any
 import pytest
 
 from tests.operator.conftest import OperatorProcess, wait_for
-from tests.operator.e2e import QUIET_SECONDS, conditions, phase
+from tests.operator.e2e import QUIET_SECONDS, conditions, phase, reason_is
 from tests.operator.kube_helpers import Namespace, xj_manifest
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-
-
-def reason_is(ns: Namespace, name: str, reason: str) -> Callable[[], dict[str, Any] | None]:
-    def check() -> dict[str, Any] | None:
-        st = ns.status(name)
-        return st if st.get("reason") == reason else None
-
-    return check
 
 
 def xj_events(ns: Namespace, name: str) -> list[dict[str, Any]]:
