@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import yaml
 
 from tests.ground.pki import CertificateAuthority
 from tests.ground.tools import tool_path
+from tests.ground.wait import wait_for
 
 NAMESPACE = "kueue-system"
 IMAGE = "registry.k8s.io/kueue/kueue:v0.17.0"
@@ -148,12 +148,11 @@ def kueue_installed(cluster: Any, node_agent: Any, timeout_s: float = 180) -> It
         for path in sorted(crds.glob("*.yaml")):
             cluster.wait_crd_established(yaml.safe_load(path.read_text())["metadata"]["name"])
         cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(manifests()))
-        deadline = time.monotonic() + timeout_s
-        while not _available(cluster):
-            if time.monotonic() > deadline:
-                pods = cluster.kubectl("get", "pods", "-n", NAMESPACE, "-o", "json", check=False).stdout
-                raise AssertionError(f"Kueue's controller manager never became available; pods: {pods[-3000:]}")
-            time.sleep(1)
+        try:
+            wait_for(lambda: _available(cluster), timeout_s, "Kueue's controller manager to be available", 1.0)
+        except AssertionError as exc:
+            pods = cluster.kubectl("get", "pods", "-n", NAMESPACE, "-o", "json", check=False).stdout
+            raise AssertionError(f"{exc}; pods: {pods[-3000:]}") from exc
         yield
     finally:
         cluster.kubectl(
