@@ -52,6 +52,8 @@ class ProgressReport(BaseModel):
     bytesCommitted: int = 0
     shardsCommitted: int = 0
     shardsTotal: int = 0
+    # The plan is still being made while extracting: the totals are what was read so far, no ETA yet.
+    planning: bool = False
     requestsInFlight: int = 0
     lastError: str | None = None
     state: ExtractorState = "starting"

@@ -20,13 +20,13 @@ from hsx_extractor.run.consistency import (
     CheckItem,
     Consistency,
     ConsistencyGate,
+    SamplePicks,
     check_positions,
     compare_items,
     compare_position,
     log_softmax,
     logprob_request,
     parse_top_logprobs,
-    sampled_indices,
     summarize,
 )
 from hsx_extractor.run.lm_head import LmHead, bf16_to_float32, rms_norm
@@ -81,13 +81,13 @@ def test_positions_spread_over_the_tail_and_predict_prompt_tokens() -> None:
         assert got == sorted(set(got)) and 1 <= len(got) <= 4 and got[-1] == length - 2 and got[0] >= 0
 
 
-def test_sampled_indices_are_stable_per_shard_and_bounded() -> None:
-    rows = range(100, 140)
-    a = sampled_indices(3, rows, 2, "run")
-    assert a == sampled_indices(3, rows, 2, "run") and len(a) == 2 and set(a) <= set(rows)
-    assert sampled_indices(3, rows, 0, "run") == [] and sampled_indices(3, range(5, 6), 4) == [5]
-    picks = {tuple(sampled_indices(k, rows, 2, "run")) for k in range(20)}
-    assert len(picks) > 10  # another shard (or run) picks other rows
+def test_picks_are_the_first_accepted_samples_of_each_shard() -> None:
+    picks = SamplePicks(2)
+    offered = [(0, 3), (0, 4), (1, 9), (0, 5), (1, 10), (1, 11), (0, 6)]
+    assert [picks.offer(k, i) for k, i in offered] == [True, True, True, False, True, False, False]
+    assert picks.picked == {3, 4, 9, 10}
+    none = SamplePicks(0)
+    assert not none.offer(0, 1) and none.picked == set()
 
 
 def test_the_reference_answer_lines_up_with_sglangs_convention() -> None:
@@ -260,8 +260,11 @@ def test_a_sample_is_not_checked_while_the_checker_is_behind(tmp_path: Path) -> 
     head, spec = LmHead(model_dir(tmp_path)), ConsistencySpec()
     item = CheckItem(0, bf16_bits(np.ones((1, 16), np.float32)), {5: [(0, -1.0)]})
 
+    picks = SamplePicks(2)
+    picks.offer(0, 1), picks.offer(0, 2)
+
     async def go() -> tuple[list[int], list[int], int]:
-        consistency = Consistency(Checker(head, spec, "post-norm"), ConsistencyGate(1.0, 1), sampled={1, 2})
+        consistency = Consistency(Checker(head, spec, "post-norm"), ConsistencyGate(1.0, 1), picks)
         waiting = [asyncio.create_task(consistency.checker.check(item)) for _ in range(2 * MAX_BATCH)]
         await asyncio.sleep(0)  # all enqueued: two full passes wait
         behind = consistency.plan(1, 50)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from hsx_extractor.run.plan import (
     PlanMismatch,
+    Planner,
     ShardPlan,
     build_plan,
     bytes_per_sample,
@@ -68,3 +69,32 @@ def test_plan_identity_mismatch_names_the_fields() -> None:
     plan.check_identity({"maxLength": 512, "dataset": "a"})
     with pytest.raises(PlanMismatch, match=r"maxLength: stored 512, now 256.*new runId"):
         plan.check_identity({"maxLength": 256, "dataset": "a"})
+
+
+@given(
+    st.lists(st.tuples(st.one_of(st.none(), st.integers(1, 40)), st.sampled_from("abcdefgh")), max_size=60),
+    st.integers(1, 20_000),
+)
+def test_planner_cuts_each_shard_when_its_last_row_is_read(rows: list[tuple[int | None, str]], target: int) -> None:
+    """Row by row, the planner names each row's shard at once and each shard's cut right after its
+    last row; what it finishes with is the plan build_plan makes from the whole dataset."""
+    lengths = [n for n, _ in rows]
+    ids = [None if n is None else i for n, i in rows]
+    lines = [2 * k + 1 for k in range(len(rows))]
+    digests = {line: hash(line) & 0xFFFF for line in lines}
+    planner = Planner({"d": 1}, 3, 8, target, digests)
+    cuts, placed = [], []
+    for length, sample_id, line in zip(lengths, ids, lines, strict=True):
+        p = planner.add(length, sample_id, line)
+        placed.append(p.shard)
+        if p.cut is not None:
+            assert p.cut.stop == len(placed)  # cut right after its last row
+            cuts.append(p.cut)
+    last, plan = planner.finish(lines[-1] if lines else 0)
+    if last is not None:
+        cuts.append(last)
+    whole = build_plan({"d": 1}, lengths, ids, 3, 8, target, lines, digests)
+    assert plan == whole and cuts == [plan.cut(k) for k in range(len(plan.shards))]
+    assert placed == [k for k, (a, b) in enumerate(plan.shards) for _ in range(a, b)]
+    if cuts:
+        assert all(c.source_json() is not None for c in cuts)

@@ -103,3 +103,50 @@ def test_changed_shards_names_changed_and_missing_rows() -> None:
         "shard 2 (samples 6-8, lines 7-9) changed",
         "shard 3 (samples 9-9, lines 10-10) changed",
     ]
+
+
+def _before_the_plan(run_dir: Path, shard: int) -> dict[str, Any]:
+    """As if killed while the plan was still being made: ``shard`` not committed, no plan.json yet
+    (extraction starts before the plan is stored); returns the plan that was there."""
+    plan = json.loads((run_dir / "plan.json").read_text())
+    _unfinish(run_dir, shard)
+    (run_dir / "plan.json").unlink()
+    return plan
+
+
+def test_shards_committed_before_the_plan_was_stored_are_kept(tmp_path: Path, ref_server: RefServer) -> None:
+    cfg, _, run_dir = _started(tmp_path, ref_server)
+    commits = {p.name: p.read_bytes() for p in (run_dir / "commits").iterdir()}
+    stored = _before_the_plan(run_dir, 1)
+    record = json.loads(commits["shard-000000.json"])
+    assert record["source"] == {"lines": stored["shards"][0]["lines"], "digest": stored["shards"][0]["digest"]}
+    code, progress = _run(cfg)
+    assert code == EXIT_OK, progress.last_error
+    assert json.loads((run_dir / "plan.json").read_text()) == stored  # the same plan, made again
+    after = {p.name: p.read_bytes() for p in (run_dir / "commits").iterdir()}
+    assert {k: v for k, v in after.items() if k != "shard-000001.json"} == {
+        k: v for k, v in commits.items() if k != "shard-000001.json"
+    }  # resumed: the other shards' records untouched
+    assert progress.samples_resumed == sum(
+        s["stop"] - s["start"] for s in stored["shards"] if s["index"] != 1
+    )
+    assert not progress.planning and progress.samples_total == stored["rows"]
+
+
+def test_a_row_edited_under_a_shard_committed_before_the_plan_refuses_to_resume(
+    tmp_path: Path, ref_server: RefServer
+) -> None:
+    cfg, dataset, run_dir = _started(tmp_path, ref_server)
+    stored = _before_the_plan(run_dir, len(json.loads((run_dir / "plan.json").read_text())["shards"]) - 1)
+    first = stored["shards"][0]
+    lines = dataset.read_text().splitlines()
+    edited = json.loads(lines[first["start"]])
+    answer = edited["messages"][-1]["content"].split(" ")
+    edited["messages"][-1]["content"] = " ".join(reversed(answer))  # the same tokens: the same cut
+    lines[first["start"]] = json.dumps(edited)
+    dataset.write_text("\n".join(lines) + "\n")
+    code, progress = _run(cfg)
+    assert code == EXIT_PERMANENT
+    error = progress.last_error or ""
+    assert f"shard 0 was committed from lines {first['lines'][0]}-{first['lines'][1]}" in error, error
+    assert "new runId" in error and not (run_dir / "plan.json").exists()

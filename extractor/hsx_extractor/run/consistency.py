@@ -17,7 +17,6 @@ results into the run's verdict.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -36,15 +35,24 @@ class CaptureInconsistent(RuntimeError):
 
 
 # ---- what to ask --------------------------------------------------------------------------------
-def sampled_indices(shard: int, candidates: Sequence[int], n: int, salt: str = "") -> list[int]:
-    """``n`` of ``candidates`` (a shard's accepted sample indices), the same on every attempt (pure)."""
-    if n <= 0 or not candidates:
-        return []
+class SamplePicks:
+    """Which samples are checked: the first ``n`` accepted samples of each shard, in dataset order. Known
+    as rows are read (also while the plan is being made), the same on every attempt, and early: a
+    capture that disagrees with the model fails the run in its first seconds."""
 
-    def rank(i: int) -> bytes:
-        return hashlib.blake2b(f"{salt}/{shard}/{i}".encode(), digest_size=8).digest()
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.picked: set[int] = set()
+        self._per_shard: dict[int, int] = {}
 
-    return sorted(sorted(candidates, key=rank)[:n])
+    def offer(self, shard: int, index: int) -> bool:
+        """Sample ``index`` of ``shard`` is accepted; True when it is checked."""
+        taken = self._per_shard.get(shard, 0)
+        if taken >= self.n:
+            return False
+        self._per_shard[shard] = taken + 1
+        self.picked.add(index)
+        return True
 
 
 def check_positions(length: int, count: int) -> list[int]:
@@ -297,10 +305,10 @@ def summarize(results: Iterable[CheckResult]) -> dict[str, Any]:
 class Consistency:
     """The check as one run uses it: which samples, what to ask, judging answers, per-shard results."""
 
-    def __init__(self, checker: Checker, gate: ConsistencyGate, sampled: set[int]) -> None:
+    def __init__(self, checker: Checker, gate: ConsistencyGate, picks: SamplePicks) -> None:
         self.checker = checker
         self.gate = gate
-        self.sampled = sampled
+        self.picks = picks  # filled by the reader thread before it hands a picked sample on
         self.spec = checker.spec
         self.results: dict[int, CheckResult] = {}
         self.skipped = 0
@@ -308,7 +316,7 @@ class Consistency:
     def plan(self, index: int, length: int) -> list[int]:
         """The positions to check for a sample (empty: not checked). A sample is not checked while
         a full pass of others waits: the check must never hold extraction back (``skipped``)."""
-        if index not in self.sampled:
+        if index not in self.picks.picked:
             return []
         if self.checker.backlog >= 2 * MAX_BATCH:
             self.skipped += 1
@@ -337,6 +345,6 @@ class Consistency:
 
     def shard_summary(self, indices: range) -> dict[str, Any] | None:
         """What the shard's commit record says about its checks (None: none were planned)."""
-        if not any(i in self.sampled for i in indices):
+        if not any(i in self.picks.picked for i in indices):
             return None
         return summarize(self.results[i] for i in indices if i in self.results)

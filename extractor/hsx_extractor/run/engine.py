@@ -5,6 +5,7 @@ are between reading and their shard; tokenizing runs in a thread, store I/O in i
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import threading
 import time
@@ -22,6 +23,7 @@ from hsx_extractor.run.collect import Collector
 from hsx_extractor.run.consistency import Consistency, logprob_request
 from hsx_extractor.run.dataset import Prepared, Rejected
 from hsx_extractor.run.failures import RunFailed, describe_failure, permanent
+from hsx_extractor.run.plan import ShardCut
 from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.server_client import RequestRejected, ServerClient
 from hsx_extractor.run.sources import DatasetError
@@ -51,14 +53,54 @@ class EngineContext:
     seal_threads: ThreadPoolExecutor
     # The consistency check (None: off).
     consistency: Consistency | None = None
+    # Counts a shard committed by an earlier process (its record, None if gone; its rows) when the
+    # reader meets it while planning.
+    resumed: Callable[[ShardCommit | None, int], None] | None = None
 
 
 @dataclass
 class ShardState:
     index: int
-    indices: range
-    remaining: int
+    start: int
+    # One past the shard's last row; None until the plan cuts the shard (a ShardCut arrives).
+    stop: int | None = None
+    resolved: int = 0  # rows added or quarantined
     builder: ShardBuilder | None = None
+    # The rows it was cut from (ShardCut.source_json), for its commit record.
+    source: dict[str, Any] | None = None
+
+    @property
+    def full(self) -> bool:
+        return self.stop is not None and self.resolved == self.stop - self.start
+
+
+@dataclass(frozen=True)
+class ShardRow:
+    """A row for the worker and the shard it goes into (the reader knows it when the row is read)."""
+
+    shard: int
+    item: Prepared | Rejected
+
+
+@dataclass(frozen=True)
+class ShardResumed:
+    """A shard of this replica committed by an earlier process, met while the plan is being made."""
+
+    commit: ShardCommit | None  # None: its record could not be read back
+    rows: int
+
+
+@dataclass(frozen=True)
+class PlanKnown:
+    """The plan is stored: this replica's totals are known (they grew with the rows read until now)."""
+
+    samples: int
+    shards: int
+
+
+# What a reader hands the worker, in dataset order: a shard's cut comes before its rows, or after
+# some of them when the plan is still being made.
+ReaderEvent = ShardRow | ShardCut | ShardResumed | PlanKnown
 
 
 class ShardWorker:
@@ -70,8 +112,6 @@ class ShardWorker:
         store: Store,
         client: ServerClient,
         shape: ModelShape,
-        shards: dict[int, ShardState],
-        shard_of: dict[int, int],
         producer: str | None = None,
     ) -> None:
         self.ctx = ctx
@@ -81,8 +121,8 @@ class ShardWorker:
         self.store = store
         self.client = client
         self.shape = shape
-        self.shards = shards
-        self.shard_of = shard_of
+        # Shards met so far (a row or a cut arrived); the reader decides which.
+        self.shards: dict[int, ShardState] = {}
         self.collector = Collector(self.cfg.dumpDir, own=ctx.run_key)
         self.commits: list[ShardCommit] = []
         # Dump bytes expected for each request in flight (rid -> bytes), until its dump is gone.
@@ -91,15 +131,15 @@ class ShardWorker:
         self._active = asyncio.Semaphore(2 * self.cfg.concurrency)
         # When back-pressure began a stall that was reported (None: not stalled).
         self._stalled_since: float | None = None
-        # Opening a shard's builder and counting its remaining rows, for adds on several threads.
+        # Opening a shard's builder, counting its rows and cutting it, for adds on several threads.
         self._shard_lock = threading.Lock()
 
-    async def run(self, reader: Callable[[Callable[[Prepared | Rejected], None]], None]) -> None:
+    async def run(self, reader: Callable[[Callable[[ReaderEvent], None]], None]) -> None:
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Prepared | Rejected | None] = asyncio.Queue(maxsize=4 * self.cfg.concurrency)
+        queue: asyncio.Queue[ReaderEvent | None] = asyncio.Queue(maxsize=4 * self.cfg.concurrency)
         stop = threading.Event()
 
-        def emit(item: Prepared | Rejected) -> None:
+        def emit(item: ReaderEvent) -> None:
             if stop.is_set():
                 raise _ReaderStopped
             asyncio.run_coroutine_threadsafe(queue.put(item), loop).result()
@@ -121,13 +161,23 @@ class ShardWorker:
         try:
             async with asyncio.TaskGroup() as group:
                 sweeper = group.create_task(self._sweep_forever())
-                while (item := await queue.get()) is not None:
-                    if isinstance(item, Rejected):
+                while (event := await queue.get()) is not None:
+                    if isinstance(event, PlanKnown):
+                        self.progress.plan_known(event.samples, event.shards)
+                        continue
+                    if isinstance(event, ShardResumed):
+                        (self.ctx.resumed or self.progress.shard_resumed)(event.commit, event.rows)
+                        continue
+                    if isinstance(event, ShardCut):
+                        if not self._cut(event):
+                            continue
+                        task = group.create_task(self._seal(self.shards[event.shard]))
+                    elif isinstance(item := self._arrived(event), Rejected):
                         entry = _quarantine(item.index, item.sample_id, item.reason, item.detail, item.line)
-                        task = group.create_task(self._resolve(item.index, entry))
+                        task = group.create_task(self._resolve(event.shard, item.index, entry))
                     else:
                         await self._active.acquire()
-                        task = group.create_task(self._sample(item))
+                        task = group.create_task(self._sample(event.shard, item))
                         task.add_done_callback(lambda _: self._active.release())
                     pending.add(task)
                     task.add_done_callback(pending.discard)
@@ -192,7 +242,31 @@ class ShardWorker:
                 print(f"hsx: {self.progress.last_error}", flush=True)
             await asyncio.sleep(0.02)
 
-    async def _sample(self, sample: Prepared) -> None:
+    def _state(self, shard: int, first_row: int) -> ShardState:
+        """The shard's state, made when its cut or its first row (rows come in order) arrives."""
+        state = self.shards.get(shard)
+        if state is None:
+            state = self.shards[shard] = ShardState(shard, first_row)
+        return state
+
+    def _arrived(self, row: ShardRow) -> Prepared | Rejected:
+        """A row is here: its shard exists from now on, and while planning it counts in the totals."""
+        new = row.shard not in self.shards
+        self._state(row.shard, row.item.index)
+        if self.progress.planning:
+            self.progress.row_planned(new)
+        return row.item
+
+    def _cut(self, cut: ShardCut) -> bool:
+        """The shard's rows are known now; True when every one of them is already resolved."""
+        with self._shard_lock:
+            state = self._state(cut.shard, cut.start)
+            state.stop, state.source = cut.stop, cut.source_json()
+            if state.builder is not None:
+                state.builder.end_at(cut.stop)
+            return state.full
+
+    async def _sample(self, shard: int, sample: Prepared) -> None:
         v = self.cfg.validation
         ids = sample.input_ids.tolist()
         outcome: Mismatch | None = None
@@ -204,7 +278,7 @@ class ShardWorker:
             await self._reserve(rid, dump_bytes)
             sent = [rid]
             try:
-                outcome = await self._attempt(sample, ids, sent, numbers, retry)
+                outcome = await self._attempt(shard, sample, ids, sent, numbers, retry)
             finally:
                 # Its dump is in the shard, removed, or abandoned (swept when it lands).
                 for r in sent:
@@ -223,6 +297,7 @@ class ShardWorker:
                 f"{outcome.reason}: {outcome.detail}"
             )
         await self._resolve(
+            shard,
             sample.index,
             _quarantine(sample.index, sample.sample_id, outcome.reason, outcome.detail, sample.line),
         )
@@ -231,7 +306,7 @@ class ShardWorker:
             raise permanent(verdict)
 
     async def _attempt(
-        self, sample: Prepared, ids: list[int], sent: list[str], numbers: Iterator[int], retry: int
+        self, shard: int, sample: Prepared, ids: list[int], sent: list[str], numbers: Iterator[int], retry: int
     ) -> Mismatch | None:
         """One request for ``sample`` (first sent as ``sent[0]``): None once its record is in its
         shard, else why not. An HTTP retry goes out under a new rid (appended to ``sent``); the rid
@@ -287,7 +362,7 @@ class ShardWorker:
             checked.aux_hidden_states,
             checked.hidden_states,
         )
-        await self._resolve(sample.index, record, rid)
+        await self._resolve(shard, sample.index, record, rid)
         return None
 
     @property
@@ -295,28 +370,36 @@ class ShardWorker:
         return self.ctx.gate
 
     async def _resolve(
-        self, index: int, item: SampleRecord | QuarantineEntry, rid: str | None = None
+        self, shard_index: int, index: int, item: SampleRecord | QuarantineEntry, rid: str | None = None
     ) -> None:
         """Hand one row's result to its shard (on an encode thread); seal the shard when it is full."""
         loop = asyncio.get_running_loop()
-        shard = self.shards[self.shard_of[index]]
+        shard = self.shards[shard_index]
         full = await loop.run_in_executor(self.ctx.encode_threads, self._add, shard, item, rid)
         if isinstance(item, SampleRecord):
             self.progress.sample_done(item.seq_len)
         else:
             self.progress.sample_quarantined(item.reason)
         if full:
-            assert shard.builder is not None
-            checks = self.ctx.consistency.shard_summary(shard.indices) if self.ctx.consistency else None
-            commit = await loop.run_in_executor(self.ctx.seal_threads, shard.builder.seal, checks)
-            self.commits.append(commit)
-            self.progress.shard_committed(commit.bytes_stored)
+            await self._seal(shard)
+
+    async def _seal(self, shard: ShardState) -> None:
+        assert shard.builder is not None and shard.stop is not None
+        rows = range(shard.start, shard.stop)
+        checks = self.ctx.consistency.shard_summary(rows) if self.ctx.consistency else None
+        seal = functools.partial(shard.builder.seal, checks, shard.source)
+        commit = await asyncio.get_running_loop().run_in_executor(self.ctx.seal_threads, seal)
+        self.commits.append(commit)
+        self.progress.shard_committed(commit.bytes_stored)
 
     def _add(self, shard: ShardState, item: SampleRecord | QuarantineEntry, rid: str | None) -> bool:
         """Add to the shard (the builder is safe for concurrent adds); True for the shard's last row."""
         with self._shard_lock:
             if shard.builder is None:
-                shard.builder = self.store.open_shard(shard.index, shard.indices)
+                if shard.stop is None:
+                    shard.builder = self.store.open_shard_at(shard.index, shard.start)
+                else:
+                    shard.builder = self.store.open_shard(shard.index, range(shard.start, shard.stop))
             builder = shard.builder
         if isinstance(item, SampleRecord):
             builder.add(item)
@@ -325,11 +408,15 @@ class ShardWorker:
         if rid is not None:
             collect.remove(self.cfg.dumpDir, rid)  # in the shard's spool now; free the shm
         with self._shard_lock:
-            shard.remaining -= 1
-            return shard.remaining == 0
+            shard.resolved += 1
+            return shard.full
+
+    def unfinished(self) -> list[int]:
+        """Shards met but not complete when the reader ended."""
+        return sorted(k for k, s in self.shards.items() if not s.full)
 
     def abort_open(self) -> None:
-        for shard in self.shards.values():
+        for shard in list(self.shards.values()):
             if shard.builder is not None and shard.builder.result is None:
                 shard.builder.abort()
 

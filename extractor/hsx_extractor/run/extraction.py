@@ -11,7 +11,8 @@ import asyncio
 import functools
 import hashlib
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,13 +39,29 @@ from hsx_extractor.run.consistency import (
     Consistency,
     ConsistencyGate,
     FinalState,
-    sampled_indices,
+    SamplePicks,
 )
 from hsx_extractor.run.dataset import Prepared, Rejected, dataset_endpoint, read_samples
-from hsx_extractor.run.engine import EngineContext, ShardState, ShardWorker
+from hsx_extractor.run.engine import (
+    EngineContext,
+    PlanKnown,
+    ReaderEvent,
+    ShardResumed,
+    ShardRow,
+    ShardWorker,
+)
 from hsx_extractor.run.failures import permanent
 from hsx_extractor.run.lm_head import LmHead
-from hsx_extractor.run.plan import PLAN_NAME, PlanMismatch, ShardPlan, build_plan, hashed, replica_shards
+from hsx_extractor.run.plan import (
+    PLAN_NAME,
+    PlanMismatch,
+    Planner,
+    ShardCut,
+    ShardPlan,
+    hashed,
+    replica_shards,
+)
+from hsx_extractor.run.planning import PlanAhead, PlanStopped
 from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.server_client import ServerClient
 from hsx_extractor.run.sources import iter_rows
@@ -185,35 +202,6 @@ class Extraction:
             **({"finalState": shape.final_state} if shape.final_state != protocol.FINAL_POST_NORM else {}),
         }
 
-    def compute_plan(self, tok: ChatTokenizer, shape: ModelShape) -> ShardPlan:
-        """Pre-pass over the whole dataset: lengths, ids and row digests only, nothing else is kept."""
-        d = self.cfg.dataset
-        where = dataset_endpoint(self.cfg)
-        lengths: list[int | None] = []
-        ids: list[str | None] = []
-        sample_lines: list[int] = []
-        digests: dict[int, int] = {}
-        rows = hashed(iter_rows(d.uri, where), digests)
-        for item in read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns):
-            sample_lines.append(item.line or 0)
-            accepted = isinstance(item, Prepared)
-            lengths.append(item.length if isinstance(item, Prepared) else None)
-            ids.append(item.sample_id if accepted else None)
-        if not lengths:
-            raise permanent(f"dataset {d.uri} has no rows")
-        source = uri_stat(d.uri, where)  # read through: it exists
-        return build_plan(
-            self.plan_identity(tok, shape),
-            lengths,
-            ids,
-            len(shape.capture_layers),
-            shape.hidden_size,
-            self.cfg.output.shardTargetBytes,
-            sample_lines,
-            digests,
-            source,
-        )
-
     def check_dataset_unchanged(self, plan: ShardPlan) -> None:
         """Refuse to resume over a dataset that changed since the plan (cheap when its stat is the same)."""
         d = self.cfg.dataset
@@ -232,20 +220,37 @@ class Extraction:
                 "new rows; restore the dataset or start a new runId"
             )
 
-    async def load_plan(self, store: Store, tok: ChatTokenizer, shape: ModelShape) -> ShardPlan:
-        identity = self.plan_identity(tok, shape)
+    async def load_plan(self, store: Store, tok: ChatTokenizer, shape: ModelShape) -> ShardPlan | None:
+        """The stored plan, checked against this run's settings and dataset; None when no process
+        stored one yet: this one then makes it while extracting (:meth:`_planning_reader`)."""
         stored = await asyncio.to_thread(store.get_json, PLAN_NAME)
         if stored is None:
-            plan = await asyncio.to_thread(self.compute_plan, tok, shape)
-            stored = await asyncio.to_thread(store.put_json_if_absent, PLAN_NAME, plan.to_json())
-            failpoints.reach("plan-written")
+            return None
+        plan = self._checked_plan(store, stored, self.plan_identity(tok, shape))
+        await asyncio.to_thread(self.check_dataset_unchanged, plan)
+        return plan
+
+    def _checked_plan(self, store: Store, stored: dict[str, Any], identity: dict[str, Any]) -> ShardPlan:
         try:
             plan = ShardPlan.from_json(stored)
             plan.check_identity(identity)
         except (PlanMismatch, KeyError, TypeError, ValueError) as exc:
             raise permanent(f"{store.description}/{PLAN_NAME}: {exc}") from exc
-        await asyncio.to_thread(self.check_dataset_unchanged, plan)
         return plan
+
+    def store_plan(self, store: Store, plan: ShardPlan) -> ShardPlan:
+        """Store the plan made while extracting (write-if-absent); one another process stored first
+        must cut the same shards from the same rows."""
+        stored = store.put_json_if_absent(PLAN_NAME, plan.to_json())
+        failpoints.reach("plan-written")
+        kept = self._checked_plan(store, stored, plan.identity)
+        if (kept.shards, kept.duplicates, kept.digests) != (plan.shards, plan.duplicates, plan.digests):
+            raise permanent(
+                f"{store.description}/{PLAN_NAME} was stored by another process and cuts other shards than this "
+                f"process read from {self.cfg.dataset.uri} ({len(kept.shards)} vs {len(plan.shards)} shards): the "
+                "dataset changed while the run was being planned; restore it or start a new runId"
+            )
+        return kept
 
     def open_head(self, shape: ModelShape) -> LmHead | None:
         """The model's head for the consistency check; None (and why, in consistency_off) when the
@@ -276,19 +281,14 @@ class Extraction:
             )
         return head
 
-    def consistency_for(self, shape: ModelShape, plan: ShardPlan, todo: list[int]) -> Consistency | None:
+    def consistency_for(self, shape: ModelShape) -> Consistency | None:
+        """The check, with no sample picked yet: the readers pick as rows arrive (SamplePicks)."""
         head = self.open_head(shape)
         if head is None:
             return None
         spec = self.cfg.validation.consistency
-        sampled = {
-            i
-            for k in todo
-            for i in sampled_indices(k, plan.shard_range(k), spec.samples_per_shard, self.cfg.runId)
-        }
-        return Consistency(
-            Checker(head, spec, cast(FinalState, shape.final_state)), self.consistency_gate, sampled
-        )
+        picks = SamplePicks(spec.samples_per_shard)
+        return Consistency(Checker(head, spec, cast(FinalState, shape.final_state)), self.consistency_gate, picks)
 
     # ---- the run -------------------------------------------------------------------------------
     async def run(self) -> RunResult:
@@ -321,42 +321,27 @@ class Extraction:
             producer = str(info.get("producer") or ENGINE_PRODUCERS[cfg.engine])
             engine = engine_of(producer)
             plan = await self.load_plan(store, tok, shape)
-            mine = replica_shards(len(plan.shards), cfg.replicaIndex, cfg.replicaCount)
             committed = await asyncio.to_thread(store.committed_shards)
-            todo = [k for k in mine if k not in committed]
-            await self._count_resumed(store, plan, [k for k in mine if k in committed], len(mine))
-            self.progress.mark_running()
-            commits = await self._extract(store, client, tok, shape, plan, todo, producer) if todo else []
+            consistency = self.consistency_for(shape)
+            if plan is None:
+                plan, commits = await self._extract_planning(store, client, tok, shape, committed, producer, consistency)
+            else:
+                commits = await self._extract_planned(store, client, tok, shape, plan, committed, producer, consistency)
         verdict = self.consistency_gate.verdict(final=True)
         if verdict:
             raise CaptureInconsistent(verdict)
         described = functools.partial(self.describe, tok, shape, plan, engine)
         manifest = await asyncio.to_thread(store.finalize, plan.planned(), described)
         self.progress.mark_succeeded()
-        return RunResult(cfg.runId, store.description, tok.fingerprint, todo, commits, manifest)
+        done = sorted(c.shard_index for c in commits)
+        return RunResult(cfg.runId, store.description, tok.fingerprint, done, commits, manifest)
 
-    async def _count_resumed(self, store: Store, plan: ShardPlan, done: list[int], mine: int) -> None:
-        p = self.progress
-        p.shards_total = mine
-        p.samples_total = sum(
-            len(plan.shard_range(k))
-            for k in replica_shards(len(plan.shards), self.cfg.replicaIndex, self.cfg.replicaCount)
-        )
-        for k in done:
-            commit = await asyncio.to_thread(store.get_commit, k)
-            n = len(plan.shard_range(k))
-            p.samples_done += n
-            p.samples_resumed += n
-            p.shards_committed += 1
-            if commit is not None:
-                p.bytes_committed += commit.bytes_stored
-                p.samples_written += commit.samples
-                for q in commit.quarantine:
-                    p.quarantined[q.reason] += 1
-                if commit.consistency is not None:  # an earlier process's checks count too
-                    self.consistency_gate.add(
-                        len(commit.consistency["checked"]), len(commit.consistency["failed"])
-                    )
+    def _resumed(self, commit: ShardCommit | None, rows: int) -> None:
+        """A shard of this replica committed by an earlier process: its rows count as done, and its
+        consistency checks count in the run's gate."""
+        self.progress.shard_resumed(commit, rows)
+        if commit is not None and commit.consistency is not None:
+            self.consistency_gate.add(len(commit.consistency["checked"]), len(commit.consistency["failed"]))
 
     def describe(
         self, tok: ChatTokenizer, shape: ModelShape, plan: ShardPlan, engine: tuple[str, str]
@@ -395,44 +380,31 @@ class Extraction:
             return {"off": self.consistency_off}
         return spec.model_dump()  # the final state it assumed is the manifest's capture.finalState
 
-    async def _extract(
+    async def _extract_planned(
         self,
         store: Store,
         client: ServerClient,
         tok: ChatTokenizer,
         shape: ModelShape,
         plan: ShardPlan,
-        todo: list[int],
+        committed: set[int],
         producer: str,
+        consistency: Consistency | None,
     ) -> list[ShardCommit]:
-        shards = {k: ShardState(k, plan.shard_range(k), len(plan.shard_range(k))) for k in todo}
-        shard_of = {i: k for k in todo for i in plan.shard_range(k)}
-        ctx = EngineContext(
-            self.cfg,
-            self.progress,
-            self.gate,
-            self.run_key,
-            self.encode_threads,
-            self.seal_threads,
-            self.consistency_for(shape, plan, todo),
-        )
-        worker = ShardWorker(ctx, store, client, shape, shards, shard_of, producer)
-        try:
-            await worker.run(self._reader(tok, plan, shard_of))
-        except BaseException:
-            await asyncio.to_thread(worker.abort_open)
-            raise
-        finally:
-            self.encode_threads.shutdown(wait=False)
-            self.seal_threads.shutdown(wait=False)
-            if ctx.consistency is not None:
-                c, g = ctx.consistency, self.consistency_gate
-                print(
-                    f"hsx: consistency: {g.checked} checked, {g.failed} disagreed, {c.skipped} skipped; "
-                    f"{c.checker.passes} passes over the head in {c.checker.seconds:.2f}s",
-                    flush=True,
-                )
-        unfinished = sorted(k for k, s in shards.items() if s.remaining)
+        """Extract this replica's uncommitted shards of a stored plan."""
+        mine = replica_shards(len(plan.shards), self.cfg.replicaIndex, self.cfg.replicaCount)
+        todo = [k for k in mine if k not in committed]
+        self.progress.shards_total = len(mine)
+        self.progress.samples_total = sum(len(plan.shard_range(k)) for k in mine)
+        for k in mine:
+            if k in committed:
+                self._resumed(await asyncio.to_thread(store.get_commit, k), len(plan.shard_range(k)))
+        self.progress.mark_running()
+        if not todo:
+            return []
+        cuts = [plan.cut(k) for k in todo]
+        worker = await self._extract(store, client, shape, producer, consistency, self._planned_reader(tok, plan, cuts, consistency))
+        unfinished = worker.unfinished()
         if unfinished:
             raise permanent(
                 f"the dataset ended before shards {unfinished[:5]} were complete: it has fewer rows than "
@@ -440,22 +412,201 @@ class Extraction:
             )
         return worker.commits
 
-    def _reader(
-        self, tok: ChatTokenizer, plan: ShardPlan, shard_of: dict[int, int]
-    ) -> Callable[[Callable[[Prepared | Rejected], None]], None]:
+    async def _extract_planning(
+        self,
+        store: Store,
+        client: ServerClient,
+        tok: ChatTokenizer,
+        shape: ModelShape,
+        committed: set[int],
+        producer: str,
+        consistency: Consistency | None,
+    ) -> tuple[ShardPlan, list[ShardCommit]]:
+        """No plan is stored yet: a thread makes and stores it (run.planning) while extraction starts
+        on each row as soon as that thread has placed it in a shard."""
         d = self.cfg.dataset
+        where = dataset_endpoint(self.cfg)
+        digests: dict[int, int] = {}
+        planner = Planner(
+            self.plan_identity(tok, shape),
+            len(shape.capture_layers),
+            shape.hidden_size,
+            self.cfg.output.shardTargetBytes,
+            digests,
+        )
 
-        def read(emit: Callable[[Prepared | Rejected], None]) -> None:
+        def items() -> Iterator[Prepared | Rejected]:
+            rows = hashed(iter_rows(d.uri, where), digests)
+            return read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns)
+
+        def check_cut(cut: ShardCut) -> None:
+            # Before plan.json exists, a commit record's rows are checked here, by the thread that
+            # stores the plan: a plan is never stored over a shard committed from other rows.
+            if cut.shard in committed:
+                commit = store.get_commit(cut.shard)
+                if commit is not None:
+                    check_resumed(commit, cut, d.uri)
+
+        def finish(planner: Planner, last_line: int) -> ShardPlan:
+            if planner.rows == 0:
+                raise permanent(f"dataset {d.uri} has no rows")
+            last, plan = planner.finish(last_line, uri_stat(d.uri, where))
+            if last is not None:
+                check_cut(last)
+            kept = self.store_plan(store, plan)
+            now = self.progress.report()
+            print(
+                f"hsx: plan stored: {len(kept.shards)} shards of {kept.rows} samples, the dataset read in "
+                f"{time.monotonic() - started:.1f}s; meanwhile {now.samplesDone} samples were done and "
+                f"{now.requestsInFlight} are at the server",
+                flush=True,
+            )
+            return kept
+
+        ahead = PlanAhead(items, planner, finish, check_cut)
+        started = time.monotonic()
+        self.progress.planning = True
+        self.progress.mark_running()
+        ahead.start()
+        try:
+            reader = self._planning_reader(store, tok, ahead, committed, consistency)
+            worker = await self._extract(store, client, shape, producer, consistency, reader)
+            plan = await asyncio.to_thread(ahead.plan)
+        finally:
+            ahead.stop()
+        assert not worker.unfinished(), "the reader cuts every shard it starts"
+        return plan, worker.commits
+
+    async def _extract(
+        self,
+        store: Store,
+        client: ServerClient,
+        shape: ModelShape,
+        producer: str,
+        consistency: Consistency | None,
+        reader: Callable[[Callable[[ReaderEvent], None]], None],
+    ) -> ShardWorker:
+        ctx = EngineContext(
+            self.cfg,
+            self.progress,
+            self.gate,
+            self.run_key,
+            self.encode_threads,
+            self.seal_threads,
+            consistency,
+            self._resumed,
+        )
+        worker = ShardWorker(ctx, store, client, shape, producer)
+        try:
+            await worker.run(reader)
+        except BaseException:
+            await asyncio.to_thread(worker.abort_open)
+            raise
+        finally:
+            self.encode_threads.shutdown(wait=False)
+            self.seal_threads.shutdown(wait=False)
+            if consistency is not None:
+                g = self.consistency_gate
+                print(
+                    f"hsx: consistency: {g.checked} checked, {g.failed} disagreed, {consistency.skipped} skipped; "
+                    f"{consistency.checker.passes} passes over the head in {consistency.checker.seconds:.2f}s",
+                    flush=True,
+                )
+        return worker
+
+    def _routed(self, item: Prepared | Rejected, duplicate: bool, shard: int, consistency: Consistency | None) -> ShardRow:
+        """The row as the worker gets it: a repeated id rejected, the first accepted rows of each shard
+        picked for the consistency check."""
+        if isinstance(item, Prepared) and duplicate:
+            detail = f"id {item.sample_id!r} is used by an earlier row"
+            item = Rejected(item.index, item.sample_id, Reason.DUPLICATE_ID, detail, item.line)
+        if isinstance(item, Prepared) and consistency is not None:
+            consistency.picks.offer(shard, item.index)
+        return ShardRow(shard, item)
+
+    def _planned_reader(
+        self, tok: ChatTokenizer, plan: ShardPlan, cuts: list[ShardCut], consistency: Consistency | None
+    ) -> Callable[[Callable[[ReaderEvent], None]], None]:
+        d = self.cfg.dataset
+        shard_of = {i: c.shard for c in cuts for i in range(c.start, c.stop)}
+
+        def read(emit: Callable[[ReaderEvent], None]) -> None:
+            for cut in cuts:  # every shard's rows are known: the worker may seal one as soon as it is full
+                emit(cut)
             rows = iter_rows(d.uri, dataset_endpoint(self.cfg))
             wanted = shard_of.__contains__
             for item in read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns, wanted):
                 if item.index >= plan.rows:
                     return
-                if item.index not in shard_of:
-                    continue
-                if isinstance(item, Prepared) and item.index in plan.duplicates:
-                    detail = f"id {item.sample_id!r} is used by an earlier row"
-                    item = Rejected(item.index, item.sample_id, Reason.DUPLICATE_ID, detail, item.line)
-                emit(item)
+                if item.index in shard_of:
+                    emit(self._routed(item, item.index in plan.duplicates, shard_of[item.index], consistency))
 
         return read
+
+    def _planning_reader(
+        self,
+        store: Store,
+        tok: ChatTokenizer,
+        ahead: PlanAhead,
+        committed: set[int],
+        consistency: Consistency | None,
+    ) -> Callable[[Callable[[ReaderEvent], None]], None]:
+        """The rows of this replica's uncommitted shards as the planning thread places them, each shard's
+        cut as soon as it is made, and the totals once the plan is stored."""
+        cfg, d = self.cfg, self.cfg.dataset
+
+        def mine(shard: int) -> bool:
+            return shard % cfg.replicaCount == cfg.replicaIndex
+
+        def wanted(index: int) -> bool:
+            placed = ahead.placement(index)
+            return placed is not None and mine(placed.shard) and placed.shard not in committed
+
+        def read(emit: Callable[[ReaderEvent], None]) -> None:
+            seen = 0  # cuts handed on
+
+            def hand_cuts() -> None:
+                nonlocal seen
+                for cut in ahead.cuts(seen):
+                    seen += 1
+                    if not mine(cut.shard):
+                        continue
+                    if cut.shard not in committed:
+                        emit(cut)
+                        continue
+                    # The planning thread checked it against the cut.
+                    emit(ShardResumed(store.get_commit(cut.shard), cut.stop - cut.start))
+
+            try:
+                rows = iter_rows(d.uri, dataset_endpoint(cfg))
+                for item in read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns, wanted):
+                    placed = ahead.placement(item.index)
+                    if placed is None:
+                        break
+                    hand_cuts()
+                    emit(self._routed(item, placed.duplicate, placed.shard, consistency))
+                plan = ahead.plan()
+            except PlanStopped:
+                return
+            hand_cuts()
+            mine_shards = [k for k in range(len(plan.shards)) if mine(k)]
+            emit(PlanKnown(sum(len(plan.shard_range(k)) for k in mine_shards), len(mine_shards)))
+
+        return read
+
+
+def check_resumed(commit: ShardCommit, cut: ShardCut, dataset: str) -> None:
+    """A shard committed before plan.json existed must hold the rows the dataset has now (pure)."""
+    where = f"shard {cut.shard} was committed"
+    if (commit.start, commit.stop) != (cut.start, cut.stop):
+        raise permanent(
+            f"{where} for samples [{commit.start}, {commit.stop}) but {dataset} now cuts it at "
+            f"[{cut.start}, {cut.stop}): the dataset changed since; restore it or start a new runId"
+        )
+    now = cut.source_json()
+    if commit.source is not None and now is not None and commit.source != now:
+        first, last = commit.source["lines"]
+        raise permanent(
+            f"{where} from lines {first}-{last} of {dataset}, which changed since (digest "
+            f"{commit.source['digest']}, now {now['digest']}); restore the dataset or start a new runId"
+        )

@@ -33,20 +33,40 @@ def bytes_per_sample(length: int, num_aux: int, hidden_size: int) -> int:
     return length * ((num_aux + 1) * hidden_size * 2 + 4 + 1)
 
 
+class ShardCutter:
+    """The cut rule, a row at a time: a shard closes once it reaches the target bytes. Shards are
+    contiguous, so a row's shard is known when it is read and a shard's end when its last row is."""
+
+    def __init__(self, target_bytes: int) -> None:
+        self.target_bytes = target_bytes
+        self.shard = 0  # the shard the next row goes into
+        self.start = 0  # its first row
+        self.rows = 0  # rows seen
+        self._size = 0
+
+    def add(self, nbytes: int) -> bool:
+        """Put the next row (``nbytes`` raw) in the open shard; True when that closes the shard."""
+        self.rows += 1
+        self._size += nbytes
+        if self._size < self.target_bytes:
+            return False
+        self.shard, self.start, self._size = self.shard + 1, self.rows, 0
+        return True
+
+
 def cut_shards(sample_bytes: Sequence[int], target_bytes: int) -> list[tuple[int, int]]:
     """Contiguous ``[start, end)`` ranges covering every row; a shard closes once it reaches the target.
 
     Rejected rows weigh 0 bytes but still belong to a shard (their quarantine entry lives there).
     """
+    cutter = ShardCutter(target_bytes)
     shards: list[tuple[int, int]] = []
-    start, size = 0, 0
-    for i, nbytes in enumerate(sample_bytes):
-        size += nbytes
-        if size >= target_bytes:
-            shards.append((start, i + 1))
-            start, size = i + 1, 0
-    if start < len(sample_bytes):
-        shards.append((start, len(sample_bytes)))
+    for nbytes in sample_bytes:
+        start = cutter.start
+        if cutter.add(nbytes):
+            shards.append((start, cutter.rows))
+    if cutter.start < cutter.rows:
+        shards.append((cutter.start, cutter.rows))
     return shards
 
 
@@ -77,6 +97,13 @@ class ShardPlan:
     def shard_range(self, shard: int) -> range:
         start, end = self.shards[shard]
         return range(start, end)
+
+    def cut(self, shard: int) -> ShardCut:
+        """Shard ``shard`` as the planner cut it."""
+        start, stop = self.shards[shard]
+        if not self.digests:
+            return ShardCut(shard, start, stop)
+        return ShardCut(shard, start, stop, self.lines[shard], self.digests[shard])
 
     def shard_of(self) -> dict[int, int]:
         """Row index -> shard index, for the rows of every shard."""
@@ -192,6 +219,110 @@ def shard_digests(shard_lines: Sequence[tuple[int, int]], line_digests: Mapping[
     return out
 
 
+@dataclass(frozen=True)
+class ShardCut:
+    """One shard of the plan, known once its last row is read: its rows, and (when line digests are
+    kept) the file lines they come from and the digest of those rows' raw bytes."""
+
+    shard: int
+    start: int
+    stop: int
+    lines: tuple[int, int] | None = None
+    digest: str | None = None
+
+    def source_json(self) -> dict[str, Any] | None:
+        """What a commit record keeps of it, so a run whose plan.json was never written can tell
+        a committed shard's rows from changed ones."""
+        if self.lines is None or self.digest is None:
+            return None
+        return {"lines": list(self.lines), "digest": self.digest}
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where the planner put a row: its shard, whether its id repeats an earlier accepted row's
+    (it is then rejected as a duplicate), and the cut its shard got if this row closed it."""
+
+    shard: int
+    duplicate: bool
+    cut: ShardCut | None
+
+
+class Planner:
+    """Makes the plan a row at a time, in dataset order, so extraction can start on a shard as soon as
+    its rows are read instead of after a pass over the whole dataset. ``finish`` gives the plan
+    :func:`build_plan` makes from the same rows."""
+
+    def __init__(
+        self,
+        identity: dict[str, Any],
+        num_aux: int,
+        hidden_size: int,
+        target_bytes: int,
+        line_digests: Mapping[int, int] | None = None,
+    ) -> None:
+        self.identity = identity
+        self.num_aux = num_aux
+        self.hidden_size = hidden_size
+        self.line_digests = line_digests
+        self._cutter = ShardCutter(target_bytes)
+        self._seen: set[str] = set()
+        self._duplicates: set[int] = set()
+        self._cuts: list[ShardCut] = []
+        self._first_line: int | None = None  # of the open shard
+
+    @property
+    def rows(self) -> int:
+        return self._cutter.rows
+
+    def add(self, length: int | None, sample_id: str | None, line: int = 0) -> Placed:
+        """The next row: its token count and id (None when rejected) and its file line."""
+        index = self._cutter.rows
+        shard, start = self._cutter.shard, self._cutter.start
+        if self._first_line is None:
+            self._first_line = line
+        duplicate = False
+        nbytes = 0
+        if length is not None and sample_id is not None:
+            if sample_id in self._seen:
+                duplicate = True
+                self._duplicates.add(index)
+            else:
+                self._seen.add(sample_id)
+                nbytes = bytes_per_sample(length, self.num_aux, self.hidden_size)
+        cut = self._close(shard, start, self._cutter.rows, line) if self._cutter.add(nbytes) else None
+        return Placed(shard, duplicate, cut)
+
+    def _close(self, shard: int, start: int, stop: int, last_line: int) -> ShardCut:
+        lines = digest = None
+        if self.line_digests is not None and self._first_line is not None:
+            lines = (self._first_line, last_line)
+            digest = shard_digests([lines], self.line_digests)[0]
+        self._first_line = None
+        cut = ShardCut(shard, start, stop, lines, digest)
+        self._cuts.append(cut)
+        return cut
+
+    def finish(self, last_line: int = 0, source: dict[str, Any] | None = None) -> tuple[ShardCut | None, ShardPlan]:
+        """After the last row: the cut of the shard still open (None if the last row closed one) and
+        the whole plan."""
+        last = None
+        if self._cutter.start < self._cutter.rows:
+            last = self._close(self._cutter.shard, self._cutter.start, self._cutter.rows, last_line)
+        cuts = self._cuts
+        with_lines = all(c.lines is not None for c in cuts) and self.line_digests is not None
+        plan = ShardPlan(
+            self.identity,
+            self.rows,
+            [(c.start, c.stop) for c in cuts],
+            frozenset(self._duplicates),
+            tuple(c.lines for c in cuts if c.lines is not None) if with_lines else (),
+            tuple(c.digest for c in cuts if c.digest is not None) if with_lines else (),
+            dict(source or {}),
+        )
+        return last, plan
+
+
 def build_plan(
     identity: dict[str, Any],
     lengths: Iterable[int | None],
@@ -205,28 +336,13 @@ def build_plan(
 ) -> ShardPlan:
     """The plan from the pre-pass: per sample its token count and id (None when rejected), its file
     line and each line's row digest. Pure."""
-    seen: set[str] = set()
-    duplicates: set[int] = set()
-    weights: list[int] = []
+    kept = line_digests if sample_lines and line_digests is not None else None
+    planner = Planner(identity, num_aux, hidden_size, target_bytes, kept)
+    line = 0
     for index, (length, sample_id) in enumerate(zip(lengths, ids, strict=True)):
-        if length is None or sample_id is None:
-            weights.append(0)
-            continue
-        if sample_id in seen:
-            duplicates.add(index)
-            weights.append(0)
-            continue
-        seen.add(sample_id)
-        weights.append(bytes_per_sample(length, num_aux, hidden_size))
-    shards = cut_shards(weights, target_bytes)
-    lines: tuple[tuple[int, int], ...] = ()
-    digests: tuple[str, ...] = ()
-    if sample_lines and line_digests is not None:
-        lines = tuple((sample_lines[a], sample_lines[b - 1]) for a, b in shards)
-        digests = tuple(shard_digests(lines, line_digests))
-    return ShardPlan(
-        identity, len(weights), shards, frozenset(duplicates), lines, digests, dict(source or {})
-    )
+        line = sample_lines[index] if kept is not None else 0
+        planner.add(length, sample_id, line)
+    return planner.finish(line, source)[1]
 
 
 def planned_shards(data: dict[str, Any]) -> list[tuple[int, int, int]]:

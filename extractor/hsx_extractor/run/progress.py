@@ -17,6 +17,7 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from hsx_extractor.contract import ExtractorState, ProgressReport
+from hsx_extractor.storage.commit_record import ShardCommit
 
 # Rates (and the ETA from them) while running are over the last minute, not the whole process: after
 # hours of extraction a stalled server must show 0 tok/s within a minute, not an average decaying slowly.
@@ -41,6 +42,9 @@ class Progress:
     bytes_committed: int = 0
     shards_committed: int = 0
     shards_total: int = 0
+    # True while the plan is made as the dataset is read (no plan.json yet): the totals are what was
+    # read so far, and there is no ETA.
+    planning: bool = False
     last_error: str | None = None
     quarantined: Counter[str] = field(default_factory=Counter)
     # Rates count from the first request (not from start-up) to the end of the run.
@@ -88,6 +92,29 @@ class Progress:
         self.metrics.quarantined.labels(reason=reason).inc()
         if self.running_since is not None:
             self._mark(time.monotonic())
+
+    def row_planned(self, new_shard: bool) -> None:
+        """A row of this replica's shards read while planning (the totals grow with the plan)."""
+        self.samples_total += 1
+        self.shards_total += new_shard
+
+    def plan_known(self, samples: int, shards: int) -> None:
+        self.samples_total, self.shards_total, self.planning = samples, shards, False
+
+    def shard_resumed(self, commit: ShardCommit | None, rows: int) -> None:
+        """A shard committed by an earlier process: its rows are done (``commit`` None: its record is
+        gone; the shard still counts as committed)."""
+        if self.planning:
+            self.samples_total += rows
+            self.shards_total += 1
+        self.samples_done += rows
+        self.samples_resumed += rows
+        self.shards_committed += 1
+        if commit is not None:
+            self.bytes_committed += commit.bytes_stored
+            self.samples_written += commit.samples
+            for q in commit.quarantine:
+                self.quarantined[q.reason] += 1
 
     def shard_committed(self, nbytes: int) -> None:
         self.shards_committed += 1
@@ -140,7 +167,7 @@ class Progress:
     def report(self) -> ProgressReport:
         samples_rate, tokens_rate = self.rates()
         remaining = max(self.samples_total - self.samples_done, 0)
-        eta = remaining / samples_rate if samples_rate > 0 else None
+        eta = remaining / samples_rate if samples_rate > 0 and not self.planning else None
         checked, failed = self._consistency_probe() if self._consistency_probe else (0, 0)
         return ProgressReport(
             samplesTotal=self.samples_total,
@@ -154,6 +181,7 @@ class Progress:
             bytesCommitted=self.bytes_committed,
             shardsCommitted=self.shards_committed,
             shardsTotal=self.shards_total,
+            planning=self.planning,
             requestsInFlight=self._in_flight_probe() if self._in_flight_probe else 0,
             lastError=self.last_error,
             state=self.state,
@@ -184,7 +212,7 @@ class Progress:
         s = self.snapshot()
         eta = "-" if s["etaSeconds"] is None else f"{s['etaSeconds']:.0f}s"
         return (
-            f"hsx progress state={s['state']} samples={s['samplesDone']}/{s['samplesTotal']} "
+            f"hsx progress state={s['state']} samples={s['samplesDone']}/{s['samplesTotal']}{'+' if s['planning'] else ''} "
             f"written={s['samplesWritten']} quarantined={s['samplesQuarantined']} tokens={s['tokensDone']} "
             f"tok/s={s['tokensPerSecond']:.1f} shards={s['shardsCommitted']}/{s['shardsTotal']} "
             f"bytes={s['bytesCommitted']} in_flight={s['requestsInFlight']} eta={eta}"

@@ -83,6 +83,10 @@ class ShardCommit:
     # per-layer token-norm statistics (storage.layer_stats) and the consistency check's results.
     layer_norms: dict[str, Any] | None = field(default=None, repr=False, compare=False)
     consistency: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    # The file lines the shard's rows come from and their digest ({"lines": [first, last], "digest"}),
+    # kept when the shard was cut while the plan was being made: before plan.json exists, this is
+    # what tells a resumed run that the dataset changed under a committed shard.
+    source: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -103,6 +107,8 @@ class ShardCommit:
             out["layerNorms"] = self.layer_norms
         if self.consistency is not None:
             out["consistency"] = self.consistency
+        if self.source is not None:
+            out["source"] = self.source
         return out
 
     @classmethod
@@ -137,6 +143,7 @@ class ShardCommit:
                 token_counts=None if obj.get("tokenCounts") is None else counts_from_json(obj["tokenCounts"]),
                 layer_norms=None if obj.get("layerNorms") is None else check_layer_norms(obj["layerNorms"]),
                 consistency=None if obj.get("consistency") is None else _consistency(obj["consistency"], start, stop),
+                source=None if obj.get("source") is None else _source(obj["source"]),
             )
         except ValueError as exc:  # ShardFormatError included
             raise ShardFormatError(f"commit record is malformed: {exc}") from None
@@ -188,3 +195,14 @@ def _consistency(obj: Any, start: int, stop: int) -> dict[str, Any]:
     if not set(failed) <= set(checked) or not isinstance(worst, int | float) or isinstance(worst, bool):
         raise ShardFormatError("consistency: failed requests must be checked ones, maxLogprobError a number")
     return {"checked": checked, "failed": failed, "maxLogprobError": worst}
+
+
+def _source(obj: Any) -> dict[str, Any]:
+    """A stored ``source`` value, checked: the first and last file line and a 16-hex-digit digest."""
+    obj = json_dict(obj, "source")
+    lines = json_list(obj["lines"], "source lines")
+    if len(lines) != 2:
+        raise ShardFormatError(f"source lines must be [first, last], got {len(lines)} values")
+    first = json_int(lines[0], "source first line", hi=1 << 62)
+    last = json_int(lines[1], "source last line", lo=first, hi=1 << 62)
+    return {"lines": [first, last], "digest": json_hex16(obj["digest"], "source digest")}

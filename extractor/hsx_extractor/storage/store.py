@@ -78,10 +78,12 @@ def _thread_planes() -> PlaneBuffers:
 class ShardBuilder:
     """Collects one shard's samples in a spool file, then seals (encodes, uploads, commits) it."""
 
-    def __init__(self, store: Store, shard_index: int, indices: range, codec: str):
+    def __init__(self, store: Store, shard_index: int, start: int, stop: int | None, codec: str):
         self._store = store
         self.shard_index = shard_index
-        self.indices = indices
+        self.start = start
+        # None while the plan is still being made: the shard's last row is not read yet (end_at).
+        self.stop = stop
         self._codec = codec
         self._lock = threading.Lock()
         self._fd: int | None = store.spools.take()
@@ -95,8 +97,8 @@ class ShardBuilder:
     def _claim(self, index: int) -> None:
         if self._fd is None:
             raise RuntimeError(f"shard {self.shard_index} is already sealed or aborted")
-        if index not in self.indices:
-            raise ValueError(f"sample index {index} is outside shard {self.shard_index} ({self.indices})")
+        if index < self.start or (self.stop is not None and index >= self.stop):
+            raise ValueError(f"sample index {index} is outside shard {self.shard_index} ({self.describe_range()})")
         if index in self._entries or index in self._quarantine:
             raise ValueError(f"sample index {index} was already added to shard {self.shard_index}")
 
@@ -115,45 +117,64 @@ class ShardBuilder:
             self._entries[sample.index] = (encoded.entry, self._spool_end)
             self._spool_end += encoded.entry.length
 
+    def describe_range(self) -> str:
+        return f"[{self.start}, {'open' if self.stop is None else self.stop})"
+
+    def end_at(self, stop: int) -> None:
+        """Close an open range once the plan cut the shard (its last row was read)."""
+        with self._lock:
+            if self.stop is not None and self.stop != stop:
+                raise ValueError(f"shard {self.shard_index} already ends at {self.stop}, not {stop}")
+            beyond = [i for i in (*self._entries, *self._quarantine) if i >= stop]
+            if stop <= self.start or beyond:
+                raise ValueError(f"shard {self.shard_index} cannot end at {stop}: it starts at {self.start}, holds {beyond[:3]}")
+            self.stop = stop
+
     def quarantine(self, entry: QuarantineEntry) -> None:
         with self._lock:
             self._claim(entry.index)
             self._quarantine[entry.index] = entry
 
-    def seal(self, consistency: dict[str, Any] | None = None) -> ShardCommit:
-        """Upload and commit (with the run's consistency results for the shard, if any). Safe to
-        call again after a failure; a sealed builder returns its commit."""
+    def seal(
+        self, consistency: dict[str, Any] | None = None, source: dict[str, Any] | None = None
+    ) -> ShardCommit:
+        """Upload and commit (with the run's consistency results for the shard and the rows it was cut
+        from, if known). Safe to call again after a failure; a sealed builder returns its commit."""
         with self._lock:
             if self.result is not None:
                 return self.result
             if self._fd is None:
                 raise RuntimeError(f"shard {self.shard_index} was aborted")
-            missing = [i for i in self.indices if i not in self._entries and i not in self._quarantine]
+            if self.stop is None:
+                raise RuntimeError(f"shard {self.shard_index} is not cut yet: its last row is unknown")
+            indices = range(self.start, self.stop)
+            missing = [i for i in indices if i not in self._entries and i not in self._quarantine]
             if missing:
                 raise ValueError(
                     f"shard {self.shard_index}: {len(missing)} indices neither added nor quarantined, e.g. {missing[:5]}"
                 )
             header, placed = layout_shard(self.shard_index, (e for e, _ in self._entries.values()))
             regions = tuple((self._entries[e.index][1], e.length) for e in placed)
-            source = SpooledObject(header, self._fd, regions)
+            spooled = SpooledObject(header, self._fd, regions)
             shard_checksum = parse_header(header).header_checksum
             commit = ShardCommit(
                 shard_index=self.shard_index,
                 samples=len(placed),
                 quarantined=len(self._quarantine),
-                bytes_stored=source.size,
+                bytes_stored=spooled.size,
                 bytes_raw=sum(e.raw_bytes for e in placed),
                 key=self._store.layout.shard_key(self.shard_index, shard_checksum),
                 checksum=shard_checksum,
-                start=self.indices.start,
-                stop=self.indices.stop,
+                start=self.start,
+                stop=self.stop,
                 sample_indices=tuple(e.index for e in placed),
                 quarantine=tuple(self._quarantine[i] for i in sorted(self._quarantine)),
                 token_counts=dict(self._token_counts),
                 layer_norms=layer_norms(combine([self._norm_sums[i] for i in sorted(self._norm_sums)])),
                 consistency=consistency,
+                source=source,
             )
-            self._store.commit_shard(commit, source)
+            self._store.commit_shard(commit, spooled)
             self.result = commit
             self._close()
             return commit
@@ -253,7 +274,15 @@ class Store:
                 f"shard {shard_index}: indices must be a non-empty range with step 1, got {indices}"
             )
         self.layout.shard_prefix(shard_index)  # validates the index
-        return ShardBuilder(self, shard_index, indices, self.codec)
+        return ShardBuilder(self, shard_index, indices.start, indices.stop, self.codec)
+
+    def open_shard_at(self, shard_index: int, start: int) -> ShardBuilder:
+        """A shard whose last row is not known yet (the plan is made while extracting); it is sealed
+        after ``end_at``."""
+        if start < 0:
+            raise ValueError(f"shard {shard_index}: start must be >= 0, got {start}")
+        self.layout.shard_prefix(shard_index)
+        return ShardBuilder(self, shard_index, start, None, self.codec)
 
     def abort_stale_uploads(self, shard_index: int | None = None) -> int:
         """Abort unfinished uploads of one shard (or of every shard of this run)."""

@@ -1,0 +1,131 @@
+"""Planning ahead of extraction, for a run whose plan.json does not exist yet.
+
+A thread reads and tokenizes the whole dataset once, placing each row in its shard (run.plan.Planner)
+and storing plan.json when it reaches the end. Extraction does not wait for it: its reader asks
+:meth:`PlanAhead.placement` for each row's shard, which is known as soon as the planning thread has
+read that row, so the first request goes out within seconds of start instead of after a pass over the
+whole dataset (minutes of idle GPUs for 37k long rows). Tokenizing runs twice, as it did with a
+pre-pass: once here and once in the extraction reader, which skips rows of other replicas' and
+committed shards.
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from hsx_extractor.run.dataset import Prepared, Rejected
+from hsx_extractor.run.plan import Planner, ShardCut, ShardPlan
+
+
+@dataclass(frozen=True)
+class Placement:
+    shard: int
+    duplicate: bool  # its id repeats an earlier accepted row's
+
+
+class PlanStopped(Exception):
+    """The run ended before the planning thread did."""
+
+
+class PlanAhead:
+    """The planning thread and what it has placed so far; every method but :meth:`start` and
+    :meth:`stop` may block until the thread has read far enough."""
+
+    def __init__(
+        self,
+        items: Callable[[], Iterable[Prepared | Rejected]],
+        planner: Planner,
+        finish: Callable[[Planner, int], ShardPlan],
+        check_cut: Callable[[ShardCut], None] = lambda cut: None,
+    ) -> None:
+        """``items``: the dataset's samples in order; ``finish``: called in the thread after the last
+        row with the planner and the last row's line, makes and stores the plan; ``check_cut``: called
+        in the thread with each cut before anything sees it (it raises to stop the run)."""
+        self._items = items
+        self._planner = planner
+        self._finish = finish
+        self._check_cut = check_cut
+        self._cond = threading.Condition()
+        self._shards = array("q")  # row index -> shard
+        self._duplicates: set[int] = set()
+        self._cuts: list[ShardCut] = []
+        self._plan: ShardPlan | None = None
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="hsx-plan", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Let the thread end early (the run failed); it stops at its next row."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        line = 0
+        try:
+            for item in self._items():
+                if self._stopping:
+                    raise PlanStopped
+                line = item.line or 0
+                accepted = isinstance(item, Prepared)
+                length = item.length if isinstance(item, Prepared) else None
+                placed = self._planner.add(length, item.sample_id if accepted else None, line)
+                if placed.cut is not None:
+                    self._check_cut(placed.cut)
+                with self._cond:
+                    self._shards.append(placed.shard)
+                    if placed.duplicate:
+                        self._duplicates.add(item.index)
+                    if placed.cut is not None:
+                        self._cuts.append(placed.cut)
+                    self._cond.notify_all()
+            plan = self._finish(self._planner, line)
+            with self._cond:
+                self._cuts = [plan.cut(k) for k in range(len(plan.shards))]
+                self._plan = plan
+                self._cond.notify_all()
+        except BaseException as exc:  # handed to the reader that waits on it
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    def _wait(self, ready: Callable[[], bool]) -> None:
+        """Under the lock: until ``ready()``, the plan is made, or the thread failed."""
+        while not ready() and self._plan is None and self._error is None and not self._stopping:
+            self._cond.wait()
+        if ready() or self._plan is not None:
+            return
+        if self._error is not None and not isinstance(self._error, PlanStopped):
+            raise self._error
+        raise PlanStopped
+
+    def placement(self, index: int) -> Placement | None:
+        """Row ``index``'s shard, once the thread read it; None past the dataset's end."""
+        with self._cond:
+            self._wait(lambda: index < len(self._shards))
+            if index >= len(self._shards):
+                return None
+            return Placement(self._shards[index], index in self._duplicates)
+
+    def cuts(self, after: int) -> list[ShardCut]:
+        """The shards cut so far, from the ``after``-th on (no waiting)."""
+        with self._cond:
+            if self._error is not None and not isinstance(self._error, PlanStopped):
+                raise self._error
+            return self._cuts[after:]
+
+    def plan(self) -> ShardPlan:
+        """The stored plan, once the thread read the whole dataset."""
+        with self._cond:
+            self._wait(lambda: False)
+            assert self._plan is not None
+            return self._plan
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)

@@ -1,0 +1,148 @@
+"""Planning ahead: a row's shard is known as soon as the planning thread read it, long before the
+thread reaches the dataset's end; its errors reach the reader; a stopped run stops it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hsx_extractor.config import ExtractConfig
+from hsx_extractor.contract import EXIT_OK
+from hsx_extractor.reasons import Reason
+from hsx_extractor.run.dataset import Prepared, Rejected
+from hsx_extractor.run.plan import Planner, ShardPlan, bytes_per_sample
+from hsx_extractor.run.planning import PlanAhead, PlanStopped
+from hsx_extractor.run.progress import Progress
+from hsx_extractor.run.runner import extract
+from tests.run.helpers import RefServer, base_config, chat_rows, write_jsonl
+from tests.storage.faultproxy import FaultPlan, FaultProxy, Injection
+
+# How long the proxy holds the PUT of plan.json: far longer than the first shard takes.
+PLAN_HELD_S = 20.0
+
+
+def _sample(index: int, sample_id: str) -> Prepared:
+    ids = np.ones(4, np.int32)
+    return Prepared(index, sample_id, ids, np.ones(4, np.uint8), index + 1)
+
+
+def _planner() -> Planner:
+    return Planner({}, 3, 8, 2 * bytes_per_sample(4, 3, 8), {})
+
+
+def test_rows_are_placed_before_the_pass_ends_and_the_plan_comes_at_the_end() -> None:
+    gate = threading.Event()
+
+    def items() -> Iterator[Prepared | Rejected]:
+        yield _sample(0, "a")
+        yield _sample(1, "a")  # a repeated id: placed, flagged, weighs nothing
+        yield _sample(2, "b")
+        gate.wait(30)  # the rest of the dataset is slow to read
+        yield Rejected(3, None, Reason.INVALID_JSON, "bad", 4)
+        yield _sample(4, "c")
+
+    def finish(planner: Planner, last_line: int) -> ShardPlan:
+        return planner.finish(last_line)[1]
+
+    ahead = PlanAhead(items, _planner(), finish)
+    ahead.start()
+    try:
+        assert [ahead.placement(i) for i in range(3)] == [
+            (p := ahead.placement(0)),
+            type(p)(0, True),
+            type(p)(0, False),
+        ]
+        assert p is not None and (p.shard, p.duplicate) == (0, False)
+        assert [c.shard for c in ahead.cuts(0)] == [0]  # rows 0-2 reached the target
+        gate.set()
+        assert ahead.placement(4) == type(p)(1, False)
+        assert ahead.placement(5) is None  # past the end
+        plan = ahead.plan()
+    finally:
+        ahead.stop()
+    assert plan.shards == [(0, 3), (3, 5)] and plan.duplicates == {1}
+    assert [c.shard for c in ahead.cuts(0)] == [0, 1]
+
+
+def test_a_planning_error_reaches_the_reader() -> None:
+    def items() -> Iterator[Prepared | Rejected]:
+        yield _sample(0, "a")
+        raise ValueError("the dataset went away")
+
+    ahead = PlanAhead(items, _planner(), lambda planner, line: planner.finish(line)[1])
+    ahead.start()
+    assert ahead.placement(0) is not None
+    with pytest.raises(ValueError, match="went away"):
+        ahead.placement(1)
+    with pytest.raises(ValueError, match="went away"):
+        ahead.plan()
+
+
+def test_stop_releases_a_waiting_reader_and_ends_the_thread() -> None:
+    gate = threading.Event()
+
+    def items() -> Iterator[Prepared | Rejected]:
+        yield _sample(0, "a")
+        gate.wait(30)
+        yield _sample(1, "b")
+        yield _sample(2, "c")
+
+    ahead = PlanAhead(items, _planner(), lambda planner, line: planner.finish(line)[1])
+    ahead.start()
+    assert ahead.placement(0) is not None
+    waiting: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            ahead.placement(2)
+        except PlanStopped as exc:
+            waiting.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    ahead.stop()
+    reader.join(10)
+    gate.set()
+    ahead.join(10)
+    assert waiting and not reader.is_alive()
+
+
+def test_a_fresh_run_commits_shards_before_its_plan_is_stored(
+    tmp_path: Path, ref_server: RefServer, s3_env: Any, s3_bucket: str
+) -> None:
+    """No plan.json yet: extraction does not wait for the planning pass. Storing plan.json is held back
+    (a proxy in front of the real S3 server delays that PUT); shards are committed meanwhile."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(60, words=30))
+    held = Injection("PUT", "plan.json", delay_seconds=PLAN_HELD_S)
+    with FaultProxy(s3_env.endpoint, FaultPlan(seed=0, rate=0.0, injections=[held])) as proxy:
+        output = {"uri": f"s3://{s3_bucket}/out", "endpoint": proxy.endpoint, "pathStyle": True}
+        cfg = base_config(tmp_path, ref_server, dataset, run_id="ahead", output=output)
+        cfg["output"]["shardTargetBytes"] = 1 << 20
+        config = ExtractConfig.model_validate(cfg)
+        progress = Progress(config.runId, 0)
+        result: list[int] = []
+        run = threading.Thread(target=lambda: result.append(asyncio.run(extract(config, progress))[0]))
+        run.start()
+        client = s3_env.client()
+
+        def keys() -> list[str]:
+            listed = client.list_objects_v2(Bucket=s3_bucket, Prefix="out/ahead/")
+            return [o["Key"] for o in listed.get("Contents", [])]
+
+        deadline = time.monotonic() + PLAN_HELD_S
+        while not any("/commits/" in k for k in keys()) and time.monotonic() < deadline and run.is_alive():
+            time.sleep(0.1)
+        seen = keys()
+        planning = progress.planning
+        run.join(120)
+    assert result == [EXIT_OK], progress.last_error
+    assert any("/commits/" in k for k in seen), f"no shard committed while plan.json was held back: {seen}"
+    assert "out/ahead/plan.json" not in seen and planning
+    assert "out/ahead/plan.json" in keys() and progress.samples_total == progress.samples_done == 60
