@@ -52,7 +52,7 @@ class ProgressReport(BaseModel):
     bytesCommitted: int = 0
     shardsCommitted: int = 0
     shardsTotal: int = 0
-    # The plan is still being made while extracting: the totals are what was read so far, no ETA yet.
+    # The plan is still being made while extracting: the totals are the rows read so far, no ETA yet.
     planning: bool = False
     requestsInFlight: int = 0
     lastError: str | None = None
@@ -87,3 +87,5 @@ PROGRESS_COUNTERS = (
     "shardsTotal",
 )
 PROGRESS_RATES = ("samplesPerSecond", "tokensPerSecond")
+# Flags a progress report carries beside its counters.
+PROGRESS_FLAGS = ("planning",)

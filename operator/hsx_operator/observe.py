@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from hsx_extractor.contract import PROGRESS_COUNTERS, PROGRESS_RATES, ProgressReport
+from hsx_extractor.contract import PROGRESS_COUNTERS, PROGRESS_FLAGS, PROGRESS_RATES, ProgressReport
 from hsx_operator.api import ExtractionJobSpec
 from hsx_operator.conditions import conditions_for, rfc3339
 from hsx_operator.desired import LABEL_QUEUE, PREFLIGHT_CONTAINER, job_name, manifest_uri, output_prefix
@@ -151,7 +151,7 @@ def merge_replica(
     base["index"] = index
     base["pod"] = pod_name
     given = report.model_fields_set
-    for key in ("state", *PROGRESS_COUNTERS, *PROGRESS_RATES, "etaSeconds"):
+    for key in ("state", *PROGRESS_COUNTERS, *PROGRESS_RATES, *PROGRESS_FLAGS, "etaSeconds"):
         if key in given:
             base[key] = getattr(report, key)
     if "lastError" in given:
@@ -169,7 +169,8 @@ def aggregate(replicas: Sequence[ReplicaStatus], running: bool, updated: str | N
     etas = [
         r.etaSeconds for r in replicas if r.etaSeconds is not None and r.state not in ("succeeded", "failed")
     ]
-    eta = max(etas) if etas and running else None
+    planning = running and any(r.planning for r in replicas if r.state not in ("succeeded", "failed"))
+    eta = max(etas) if etas and running and not planning else None
     total = sums["samplesTotal"]
     # The extractor counts a quarantined sample as done (it is finished), so done alone is the progress.
     percent = min(100, sums["samplesDone"] * 100 // total) if total else 0
@@ -180,6 +181,7 @@ def aggregate(replicas: Sequence[ReplicaStatus], running: bool, updated: str | N
             "etaSeconds": eta,
             "eta": human_duration(eta),
             "percent": percent,
+            "planning": planning,
             "lastUpdateTime": updated,
         }
     )
@@ -324,6 +326,7 @@ def _active(
         done = (
             f"{p.samplesDone}/{p.samplesTotal} samples ({p.samplesWritten} written, "
             f"{p.samplesQuarantined} quarantined)"
+            + ("; planning: the dataset is still being read, the total so far" if p.planning else "")
             if p.samplesTotal
             else "planning the run"
         )

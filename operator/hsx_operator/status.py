@@ -112,6 +112,11 @@ class Progress(_Status):
     bytesCommitted: int = Field(default=0, description="Bytes of shards committed to the output.")
     shardsCommitted: int = Field(default=0, description="Shards committed to the output.")
     shardsTotal: int = Field(default=0, description="Shards the run will write.")
+    planning: bool = Field(
+        default=False,
+        description="A pod is still reading the dataset to plan its shards (extraction has started): the "
+        "totals are the samples read so far and there is no ETA yet.",
+    )
     percent: int = Field(
         default=0,
         ge=0,
@@ -145,6 +150,9 @@ class ReplicaStatus(_Status):
     bytesCommitted: int = Field(default=0, description="Bytes this replica committed.")
     shardsCommitted: int = Field(default=0, description="Shards this replica committed.")
     shardsTotal: int = Field(default=0, description="Shards assigned to this replica.")
+    planning: bool = Field(
+        default=False, description="Still reading the dataset to plan its shards: the totals are so far."
+    )
     lastError: str = Field(default="", description="The extractor's last error, if any.", max_length=4096)
 
 

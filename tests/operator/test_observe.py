@@ -159,6 +159,21 @@ def test_progress_of_two_replicas_is_summed_and_kept_after_one_ends() -> None:
     assert unreachable.progress.samplesDone == 60 and unreachable.progress.eta == ""
 
 
+def test_a_replica_still_planning_shows_its_totals_so_far_and_no_eta() -> None:
+    p0 = pod_json("xj-r1-0-a", index=0, server=SERVER_READY, extractor=EXTRACTOR_RUNNING)
+    p1 = pod_json("xj-r1-1-b", index=1, server=SERVER_READY, extractor=EXTRACTOR_RUNNING)
+    planned = {"samplesTotal": 50, "samplesDone": 20, "etaSeconds": 30, "state": "running"}
+    reading = {"samplesTotal": 12, "samplesDone": 3, "etaSeconds": None, "planning": True, "state": "running"}
+    st = run(job=job_json(), pods=[p0, p1], progress={"xj-r1-0-a": planned, "xj-r1-1-b": reading}).status
+    assert st.progress.planning and st.progress.etaSeconds is None and st.progress.eta == ""
+    assert [r.planning for r in st.replicas] == [False, True]
+    assert "23/62 samples" in st.message and "planning: the dataset is still being read" in st.message
+    # Once it stored its plan, the run's totals and ETA are the plan's.
+    known = {**reading, "samplesTotal": 50, "planning": False, "etaSeconds": 60}
+    later = run(prior=st, job=job_json(), pods=[p0, p1], progress={"xj-r1-0-a": planned, "xj-r1-1-b": known}).status
+    assert not later.progress.planning and later.progress.etaSeconds == 60 and "planning" not in later.message
+
+
 def test_final_progress_is_read_from_the_termination_message() -> None:
     term = {
         "state": {

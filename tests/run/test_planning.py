@@ -68,7 +68,15 @@ def test_rows_are_placed_before_the_pass_ends_and_the_plan_comes_at_the_end() ->
     finally:
         ahead.stop()
     assert plan.shards == [(0, 3), (3, 5)] and plan.duplicates == {1}
-    assert [c.shard for c in ahead.cuts(0)] == [0, 1]
+    assert ahead.placed() == (5, 2) and [c.shard for c in ahead.cuts(0)] == [0, 1]
+
+
+def test_placed_counts_only_the_counted_shards() -> None:
+    rows = [_sample(i, str(i)) for i in range(7)]  # two rows reach the target: shards of 2, 2, 2, 1
+    ahead = PlanAhead(lambda: rows, _planner(), lambda planner, line: planner.finish(line)[1], counted=lambda k: k % 2 == 1)
+    ahead.start()
+    assert ahead.plan().shards == [(0, 2), (2, 4), (4, 6), (6, 7)]
+    assert ahead.placed() == (3, 2)  # shards 1 and 3: rows 2, 3 and 6
 
 
 def test_a_planning_error_reaches_the_reader() -> None:

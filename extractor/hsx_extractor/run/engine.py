@@ -250,11 +250,8 @@ class ShardWorker:
         return state
 
     def _arrived(self, row: ShardRow) -> Prepared | Rejected:
-        """A row is here: its shard exists from now on, and while planning it counts in the totals."""
-        new = row.shard not in self.shards
+        """A row is here: its shard exists from now on."""
         self._state(row.shard, row.item.index)
-        if self.progress.planning:
-            self.progress.row_planned(new)
         return row.item
 
     def _cut(self, cut: ShardCut) -> bool:

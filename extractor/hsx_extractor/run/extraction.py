@@ -463,9 +463,12 @@ class Extraction:
             )
             return kept
 
-        ahead = PlanAhead(items, planner, finish, check_cut)
+        def mine(shard: int) -> bool:
+            return shard % self.cfg.replicaCount == self.cfg.replicaIndex
+
+        ahead = PlanAhead(items, planner, finish, check_cut, mine)
         started = time.monotonic()
-        self.progress.planning = True
+        self.progress.watch_planning(ahead.placed)
         self.progress.mark_running()
         ahead.start()
         try:

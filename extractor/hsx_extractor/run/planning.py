@@ -40,14 +40,18 @@ class PlanAhead:
         planner: Planner,
         finish: Callable[[Planner, int], ShardPlan],
         check_cut: Callable[[ShardCut], None] = lambda cut: None,
+        counted: Callable[[int], bool] = lambda shard: True,
     ) -> None:
         """``items``: the dataset's samples in order; ``finish``: called in the thread after the last
         row with the planner and the last row's line, makes and stores the plan; ``check_cut``: called
-        in the thread with each cut before anything sees it (it raises to stop the run)."""
+        in the thread with each cut before anything sees it (it raises to stop the run); ``counted``:
+        the shards whose rows :meth:`placed` counts (this replica's)."""
         self._items = items
         self._planner = planner
         self._finish = finish
         self._check_cut = check_cut
+        self._counted = counted
+        self._counts = [0, 0]  # rows and shards of counted shards placed so far
         self._cond = threading.Condition()
         self._shards = array("q")  # row index -> shard
         self._duplicates: set[int] = set()
@@ -79,6 +83,9 @@ class PlanAhead:
                 if placed.cut is not None:
                     self._check_cut(placed.cut)
                 with self._cond:
+                    if self._counted(placed.shard):
+                        self._counts[0] += 1
+                        self._counts[1] += not self._shards or self._shards[-1] != placed.shard
                     self._shards.append(placed.shard)
                     if placed.duplicate:
                         self._duplicates.add(item.index)
@@ -112,6 +119,11 @@ class PlanAhead:
             if index >= len(self._shards):
                 return None
             return Placement(self._shards[index], index in self._duplicates)
+
+    def placed(self) -> tuple[int, int]:
+        """Rows and shards of the counted shards placed so far (no waiting)."""
+        with self._cond:
+            return self._counts[0], self._counts[1]
 
     def cuts(self, after: int) -> list[ShardCut]:
         """The shards cut so far, from the ``after``-th on (no waiting)."""

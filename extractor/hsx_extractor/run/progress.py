@@ -52,6 +52,7 @@ class Progress:
     finished_at: float | None = None
     _metrics: Metrics | None = None
     _in_flight_probe: Callable[[], int] | None = None
+    _planning_probe: Callable[[], tuple[int, int]] | None = None
     # (checked, failed) of the consistency check, read when asked
     _consistency_probe: Callable[[], tuple[int, int]] | None = None
     # (monotonic time, samples this process finished, tokens); the first is the newest mark at or
@@ -93,10 +94,10 @@ class Progress:
         if self.running_since is not None:
             self._mark(time.monotonic())
 
-    def row_planned(self, new_shard: bool) -> None:
-        """A row of this replica's shards read while planning (the totals grow with the plan)."""
-        self.samples_total += 1
-        self.shards_total += new_shard
+    def watch_planning(self, probe: Callable[[], tuple[int, int]]) -> None:
+        """While planning, the totals are ``probe()``: (samples, shards) of this replica placed so far."""
+        self._planning_probe = probe
+        self.planning = True
 
     def plan_known(self, samples: int, shards: int) -> None:
         self.samples_total, self.shards_total, self.planning = samples, shards, False
@@ -104,9 +105,6 @@ class Progress:
     def shard_resumed(self, commit: ShardCommit | None, rows: int) -> None:
         """A shard committed by an earlier process: its rows are done (``commit`` None: its record is
         gone; the shard still counts as committed)."""
-        if self.planning:
-            self.samples_total += rows
-            self.shards_total += 1
         self.samples_done += rows
         self.samples_resumed += rows
         self.shards_committed += 1
@@ -166,6 +164,8 @@ class Progress:
 
     def report(self) -> ProgressReport:
         samples_rate, tokens_rate = self.rates()
+        if self.planning and self._planning_probe is not None:
+            self.samples_total, self.shards_total = self._planning_probe()
         remaining = max(self.samples_total - self.samples_done, 0)
         eta = remaining / samples_rate if samples_rate > 0 and not self.planning else None
         checked, failed = self._consistency_probe() if self._consistency_probe else (0, 0)
