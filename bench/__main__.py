@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in one go, then a one-screen summary (results in bench/results/).
 
-    .venv/bin/python -m bench [--only b1,b2,b3,b4,memory,hook_writer,tokenize,reader]
+    .venv/bin/python -m bench [--only b1,b2,b3,b4,memory,hook_writer,tokenize,reader,first_request]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ def benchmarks() -> dict[str, Callable[[], dict[str, Any]]]:
     from bench.b1_dataplane import run_b1
     from bench.b2_saturation import run_b2
     from bench.b4_operator import run_b4
+    from bench.first_request import run_first_request
     from bench.hook_writer import run_hook_writer
     from bench.memory import run_memory
     from bench.reader import main as run_reader
@@ -35,6 +36,7 @@ def benchmarks() -> dict[str, Callable[[], dict[str, Any]]]:
         "hook_writer": run_hook_writer,
         "tokenize": run_tokenize,
         "reader": lambda: run_reader([]),
+        "first_request": run_first_request,
     }
 
 
@@ -96,6 +98,11 @@ def summary(results: dict[str, Any]) -> list[str]:
                 row("", f"  8-GPU server at {low // 1000}-{high // 1000}k tok/s: "
                         f"{c['server_8gpu']['low_rows_per_s']:.0f}-{c['server_8gpu']['high_rows_per_s']:.0f} rows/s, cores",
                     f"{c['cores_needed_at_high']:.2f}", "< 1")
+        elif name == "first_request":
+            row("first request", f"fresh run, {r['rows']} rows of {r['tokens_per_row']:.0f} tok: first request",
+                f"{r['median_first_request_s']:.2f}s", "seconds")
+            row("", "  the old pre-pass before it (x)",
+                f"{r['median_pre_pass_s']:.0f}s ({r['pre_pass_over_first_request']:.0f}x)")
         elif name == "reader":
             for codec, per in r["codecs"].items():
                 for setting, v in per.items():
@@ -109,7 +116,7 @@ def summary(results: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="run hsx's benchmarks")
-    p.add_argument("--only", default="b1,b2,b3,b4,memory,hook_writer,tokenize,reader", help="comma-separated subset")
+    p.add_argument("--only", default="b1,b2,b3,b4,memory,hook_writer,tokenize,reader,first_request", help="comma-separated subset")
     args = p.parse_args(argv)
     table = benchmarks()
     wanted = [n.strip() for n in args.only.split(",") if n.strip()]

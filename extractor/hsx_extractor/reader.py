@@ -28,12 +28,21 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from hsx_extractor.config import OutputSpec
 from hsx_extractor.storage.backends import PermanentStoreError
 from hsx_extractor.storage.commit_record import ShardCommit
 from hsx_extractor.storage.layout import MANIFEST_NAME, split_run_uri
 from hsx_extractor.storage.manifest import Capture, ManifestError
-from hsx_extractor.storage.shard_format import SampleRecord, ShardFormatError, ShardHeader
+from hsx_extractor.storage.shard_format import (
+    AUX,
+    FINAL,
+    Allocate,
+    SampleRecord,
+    ShardFormatError,
+    ShardHeader,
+)
 from hsx_extractor.storage.store import Store, open_store
 
 if TYPE_CHECKING:
@@ -139,13 +148,16 @@ class OutputReader:
                 self._headers[shard_index] = cached
         return cached
 
-    def read(self, position: int, verify_checksums: bool = True) -> SampleRecord:
+    def read(self, position: int, verify_checksums: bool = True, allocate: Allocate | None = None) -> SampleRecord:
+        """The sample at ``position``; its hidden states decoded into buffers from ``allocate`` if given."""
         shard, index, within = self.locate(position)
         header = self.header(shard)
         entry = header.samples[within] if within < len(header.samples) else None
         if entry is None or entry.index != index:
             raise ShardFormatError(f"shard {shard}: header and commit record disagree at sample {index}")
-        return self._store().read_sample(self._commits[shard].key, header, entry, verify=verify_checksums)
+        return self._store().read_sample(
+            self._commits[shard].key, header, entry, verify=verify_checksums, allocate=allocate
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -202,19 +214,43 @@ class HiddenStatesDataset(_Base):  # type: ignore[misc,valid-type]
         return len(self.reader)
 
     def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
-        return to_specforge(self.reader.read(position, self.verify_checksums))
+        import torch.utils.data
+
+        if torch.utils.data.get_worker_info() is None:
+            return to_specforge(self.reader.read(position, self.verify_checksums))
+        # In a DataLoader worker: decode straight into shared memory, which the worker hands to the
+        # trainer process as it is (torch copies any other tensor into shared memory first).
+        shared = SharedBuffers()
+        return to_specforge(self.reader.read(position, self.verify_checksums, shared.allocate), shared.tensors)
 
     def dataset_index(self, position: int) -> int:
         """The dataset row a position holds (positions skip quarantined rows)."""
         return self.reader.locate(position)[1]
 
 
-def to_specforge(rec: SampleRecord) -> dict[str, torch.Tensor]:
-    """A sample as SpecForge's offline dataset stores it."""
-    import numpy as np
+class SharedBuffers:
+    """Decode buffers in torch shared memory (one per tensor of a sample), kept by tensor name."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def allocate(self, name: str, num_values: int) -> np.ndarray:
+        import torch
+
+        storage = torch.UntypedStorage._new_shared(2 * num_values)  # what torch's own collate uses
+        tensor = torch.empty(0, dtype=torch.int16).set_(storage)
+        self.tensors[name] = tensor
+        return tensor.numpy().view(np.uint16)
+
+
+def to_specforge(rec: SampleRecord, shared: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """A sample as SpecForge's offline dataset stores it (hidden states from ``shared`` when they were
+    decoded there)."""
     import torch
 
-    def bf16(bits: np.ndarray) -> torch.Tensor:
+    def bf16(name: str, bits: np.ndarray) -> torch.Tensor:
+        if shared is not None and name in shared:
+            return shared[name].view(torch.bfloat16).reshape(bits.shape).unsqueeze(0)
         # Decoded arrays are the sample's own: viewed, not copied (torch needs them writable).
         own = bits if bits.flags.writeable and bits.flags.c_contiguous else bits.copy()
         return torch.from_numpy(own.view(np.int16)).view(torch.bfloat16).unsqueeze(0)
@@ -222,6 +258,6 @@ def to_specforge(rec: SampleRecord) -> dict[str, torch.Tensor]:
     return {
         "input_ids": torch.from_numpy(rec.input_ids.astype(np.int64)),
         "loss_mask": torch.from_numpy(rec.loss_mask.astype(np.int64)),
-        "hidden_state": bf16(rec.hidden_states),
-        "aux_hidden_state": bf16(rec.aux_hidden_states),
+        "hidden_state": bf16(FINAL, rec.hidden_states),
+        "aux_hidden_state": bf16(AUX, rec.aux_hidden_states),
     }

@@ -256,3 +256,36 @@ def test_an_output_directory_the_writer_cannot_write_fails_at_open_naming_the_fi
     assert f"output directory {out}/r1 is not writable by this process (uid 0, gid 0)" in refused.stderr
     assert "install -d -o 0 -g 0 DIR" in refused.stderr
     assert run(False).returncode == 0  # readers (hsx verify, the trainer's dataset) write nothing
+
+
+class _SharedProbe(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Says, in the worker, whether the hidden states it returns already live in shared memory."""
+
+    def __init__(self, inner: HiddenStatesDataset) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = self.inner[i]
+        shared = item["hidden_state"].is_shared() and item["aux_hidden_state"].is_shared()
+        return {**item, "shared": torch.tensor(shared)}
+
+
+@pytest.mark.parametrize("compression", ["bf16-zstd", "none", "fp8-e4m3"])
+def test_dataloader_workers_decode_into_shared_memory(tmp_path: Path, compression: str) -> None:
+    """In a DataLoader worker the states are decoded straight into shared memory (handed to the trainer
+    without torch's copy) and equal what a read in the trainer's own process gives."""
+    store = _store(tmp_path, compression)
+    write_run(store, plan_for(6, 3), hidden=64)
+    finalize_run(store, {})
+    dataset = HiddenStatesDataset(str(tmp_path / "run-1"))
+    assert not dataset[0]["hidden_state"].is_shared()  # in process: plain memory
+    loader = torch.utils.data.DataLoader(_SharedProbe(dataset), batch_size=None, num_workers=2)
+    items = list(loader)
+    assert [bool(item["shared"]) for item in items] == [True] * len(dataset)
+    for i, item in enumerate(items):
+        direct = dataset[i]
+        for name in ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state"):
+            assert item[name].dtype == direct[name].dtype and torch.equal(item[name], direct[name]), (i, name)

@@ -15,7 +15,7 @@ import threading
 
 ENV = "HSX_KILL_AT"
 POINTS = (
-    "plan-written",  # plan.json stored, nothing extracted yet
+    "plan-written",  # plan.json stored (the dataset read to its end; extraction may be under way)
     "part-uploaded",  # one part of a shard's multipart upload sent (S3), the upload open
     "parts-uploaded",  # every part sent, CompleteMultipartUpload not yet
     "shard-uploaded",  # the shard object exists, its commit record does not

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -250,8 +250,16 @@ def encode_sample(rec: SampleRecord, codec: str, planes: PlaneBuffers | None = N
     return EncodedSample(entry, tuple(parts))
 
 
-def decode_sample(stored: bytes | memoryview, entry: SampleEntry, verify: bool = True) -> SampleRecord:
-    """The sample an entry describes, from its ``entry.length`` stored bytes."""
+# Gives the buffer a decoded hidden-state tensor is written into: (tensor name, number of bf16 values) ->
+# a flat uint16 array of that many values.
+Allocate = Callable[[str, int], np.ndarray]
+
+
+def decode_sample(
+    stored: bytes | memoryview, entry: SampleEntry, verify: bool = True, allocate: Allocate | None = None
+) -> SampleRecord:
+    """The sample an entry describes, from its ``entry.length`` stored bytes; its hidden states decoded
+    into buffers from ``allocate`` when given."""
     view = memoryview(stored)
     if len(view) != entry.length:
         raise ShardFormatError(f"sample {entry.index}: got {len(view)} bytes, index says {entry.length}")
@@ -262,7 +270,8 @@ def decode_sample(stored: bytes | memoryview, entry: SampleEntry, verify: bool =
         chunk = view[t.offset : t.offset + t.length]
         try:
             if t.dtype == "BF16":
-                flat = decode_bf16_array(t.codec, chunk, t.num_values, t.shape[0] if len(t.shape) == 2 else 1)
+                out = allocate(t.name, t.num_values) if allocate is not None else None
+                flat = decode_bf16_array(t.codec, chunk, t.num_values, t.shape[0] if len(t.shape) == 2 else 1, out)
             elif t.codec == CODEC_RAW and len(chunk) == t.raw_length:
                 flat = np.frombuffer(chunk, dtype=_DTYPES[t.dtype]).copy()
             else:

@@ -45,6 +45,7 @@ from hsx_extractor.storage.layout import MANIFEST_NAME, RunLayout, parse_output_
 from hsx_extractor.storage.manifest import build_manifest
 from hsx_extractor.storage.shard_format import (
     COMPRESSION_CODECS,
+    Allocate,
     SampleEntry,
     SampleRecord,
     ShardFormatError,
@@ -391,12 +392,18 @@ class Store:
         return header
 
     def read_sample(
-        self, shard: int | str, header: ShardHeader, entry: SampleEntry, verify: bool = True
+        self,
+        shard: int | str,
+        header: ShardHeader,
+        entry: SampleEntry,
+        verify: bool = True,
+        allocate: Allocate | None = None,
     ) -> SampleRecord:
-        """One ranged read (shard by key or committed index), then decode; checksummed unless ``verify`` is False."""
+        """One ranged read (shard by key or committed index), then decode (hidden states into buffers from
+        ``allocate`` when given); checksummed unless ``verify`` is False."""
         key = self.shard_object_key(shard)
         data = self.backend.get_range(key, header.data_start + entry.offset, entry.length)
-        return decode_sample(data, entry, verify=verify)
+        return decode_sample(data, entry, verify=verify, allocate=allocate)
 
     def unreferenced_shard_objects(self, commits: Iterable[ShardCommit]) -> list[str]:
         """Shard objects no commit record names: left by attempts killed before their record."""
