@@ -68,7 +68,7 @@ def test_rows_are_placed_before_the_pass_ends_and_the_plan_comes_at_the_end() ->
     finally:
         ahead.stop()
     assert plan.shards == [(0, 3), (3, 5)] and plan.duplicates == {1}
-    assert ahead.placed() == (5, 2) and [c.shard for c in ahead.cuts(0)] == [0, 1]
+    assert ahead.placed() == (5, 2, True) and [c.shard for c in ahead.cuts(0)] == [0, 1]
 
 
 def test_placed_counts_only_the_counted_shards() -> None:
@@ -76,7 +76,7 @@ def test_placed_counts_only_the_counted_shards() -> None:
     ahead = PlanAhead(lambda: rows, _planner(), lambda planner, line: planner.finish(line)[1], counted=lambda k: k % 2 == 1)
     ahead.start()
     assert ahead.plan().shards == [(0, 2), (2, 4), (4, 6), (6, 7)]
-    assert ahead.placed() == (3, 2)  # shards 1 and 3: rows 2, 3 and 6
+    assert ahead.placed() == (3, 2, True)  # shards 1 and 3: rows 2, 3 and 6
 
 
 def test_a_planning_error_reaches_the_reader() -> None:
@@ -154,3 +154,17 @@ def test_a_fresh_run_commits_shards_before_its_plan_is_stored(
     assert any("/commits/" in k for k in seen), f"no shard committed while plan.json was held back: {seen}"
     assert "out/ahead/plan.json" not in seen and planning
     assert "out/ahead/plan.json" in keys() and progress.samples_total == progress.samples_done == 60
+
+
+def test_progress_totals_follow_the_planning_thread_and_end_when_the_plan_is_made() -> None:
+    seen = [(3, 1, False), (10, 2, True)]
+    progress = Progress("run", 0)
+    progress.watch_planning(lambda: seen[0])
+    progress.mark_running()
+    progress.sample_done(5)
+    during = progress.report()
+    assert during.planning and (during.samplesTotal, during.shardsTotal) == (3, 1) and during.etaSeconds is None
+    seen.pop(0)  # the plan is made while extraction goes on: totals final, ETA back
+    after = progress.report()
+    assert not after.planning and (after.samplesTotal, after.shardsTotal) == (10, 2)
+    assert not progress.planning and after.etaSeconds is not None

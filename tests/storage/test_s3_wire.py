@@ -8,13 +8,14 @@ Python under the GIL, ~3 GIL-seconds per GB (issue 17)."""
 from __future__ import annotations
 
 import base64
+import threading
 import zlib
 from typing import Any
 
 import pytest
 from botocore.awsrequest import AWSResponse
 
-from hsx_extractor.storage.s3 import MultipartUploader
+from hsx_extractor.storage.s3 import MultipartUploader, part_body_buffer
 from hsx_extractor.storage.s3_client import Retrier, S3Endpoint, S3TransferConfig, make_client
 
 BODY = bytes(range(256)) * 4096  # 1 MiB
@@ -72,3 +73,19 @@ def test_without_a_precomputed_crc32_botocore_would_frame_the_body(operation: st
     getattr(client, operation)(Bucket="bucket", Key="k", Body=BODY, ChecksumAlgorithm="CRC32", **extra)
     (request,) = sent
     assert "aws-chunked" in str(request.headers.get("Content-Encoding", b""))
+
+
+def test_part_bodies_reuse_one_buffer_per_thread() -> None:
+    """Each part thread fills the same buffer for every full-size part (no fresh zero-filled pages per
+    part); a shard's shorter last part gets a buffer of its own, and a larger part size replaces it."""
+    full = part_body_buffer(1 << 16)
+    assert part_body_buffer(1 << 16) is full and len(full) == 1 << 16
+    last = part_body_buffer(1000)
+    assert last is not full and len(last) == 1000 and part_body_buffer(1 << 16) is full
+    bigger = part_body_buffer(1 << 17)
+    assert bigger is not full and part_body_buffer(1 << 17) is bigger
+    elsewhere: list[bytearray] = []
+    thread = threading.Thread(target=lambda: elsewhere.append(part_body_buffer(1 << 17)))
+    thread.start()
+    thread.join()
+    assert elsewhere[0] is not bigger  # one per thread: two parts in flight never share one

@@ -90,17 +90,9 @@ class ShardResumed:
     rows: int
 
 
-@dataclass(frozen=True)
-class PlanKnown:
-    """The plan is stored: this replica's totals are known (they grew with the rows read until now)."""
-
-    samples: int
-    shards: int
-
-
 # What a reader hands the worker, in dataset order: a shard's cut comes before its rows, or after
 # some of them when the plan is still being made.
-ReaderEvent = ShardRow | ShardCut | ShardResumed | PlanKnown
+ReaderEvent = ShardRow | ShardCut | ShardResumed
 
 
 class ShardWorker:
@@ -162,9 +154,6 @@ class ShardWorker:
             async with asyncio.TaskGroup() as group:
                 sweeper = group.create_task(self._sweep_forever())
                 while (event := await queue.get()) is not None:
-                    if isinstance(event, PlanKnown):
-                        self.progress.plan_known(event.samples, event.shards)
-                        continue
                     if isinstance(event, ShardResumed):
                         (self.ctx.resumed or self.progress.shard_resumed)(event.commit, event.rows)
                         continue

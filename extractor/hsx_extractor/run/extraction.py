@@ -44,7 +44,6 @@ from hsx_extractor.run.consistency import (
 from hsx_extractor.run.dataset import Prepared, Rejected, dataset_endpoint, read_samples
 from hsx_extractor.run.engine import (
     EngineContext,
-    PlanKnown,
     ReaderEvent,
     ShardResumed,
     ShardRow,
@@ -475,6 +474,8 @@ class Extraction:
             reader = self._planning_reader(store, tok, ahead, committed, consistency)
             worker = await self._extract(store, client, shape, producer, consistency, reader)
             plan = await asyncio.to_thread(ahead.plan)
+            samples, shards, _ = ahead.placed()
+            self.progress.plan_known(samples, shards)
         finally:
             ahead.stop()
         assert not worker.unfinished(), "the reader cuts every shard it starts"
@@ -588,12 +589,10 @@ class Extraction:
                         break
                     hand_cuts()
                     emit(self._routed(item, placed.duplicate, placed.shard, consistency))
-                plan = ahead.plan()
+                ahead.plan()
             except PlanStopped:
                 return
             hand_cuts()
-            mine_shards = [k for k in range(len(plan.shards)) if mine(k)]
-            emit(PlanKnown(sum(len(plan.shard_range(k)) for k in mine_shards), len(mine_shards)))
 
         return read
 

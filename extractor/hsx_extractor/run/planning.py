@@ -120,10 +120,11 @@ class PlanAhead:
                 return None
             return Placement(self._shards[index], index in self._duplicates)
 
-    def placed(self) -> tuple[int, int]:
-        """Rows and shards of the counted shards placed so far (no waiting)."""
+    def placed(self) -> tuple[int, int, bool]:
+        """Rows and shards of the counted shards placed so far, and whether the plan is made (the
+        counts are then final); no waiting."""
         with self._cond:
-            return self._counts[0], self._counts[1]
+            return self._counts[0], self._counts[1], self._plan is not None
 
     def cuts(self, after: int) -> list[ShardCut]:
         """The shards cut so far, from the ``after``-th on (no waiting)."""

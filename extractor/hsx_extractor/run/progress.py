@@ -52,7 +52,7 @@ class Progress:
     finished_at: float | None = None
     _metrics: Metrics | None = None
     _in_flight_probe: Callable[[], int] | None = None
-    _planning_probe: Callable[[], tuple[int, int]] | None = None
+    _planning_probe: Callable[[], tuple[int, int, bool]] | None = None
     # (checked, failed) of the consistency check, read when asked
     _consistency_probe: Callable[[], tuple[int, int]] | None = None
     # (monotonic time, samples this process finished, tokens); the first is the newest mark at or
@@ -94,13 +94,23 @@ class Progress:
         if self.running_since is not None:
             self._mark(time.monotonic())
 
-    def watch_planning(self, probe: Callable[[], tuple[int, int]]) -> None:
-        """While planning, the totals are ``probe()``: (samples, shards) of this replica placed so far."""
+    def watch_planning(self, probe: Callable[[], tuple[int, int, bool]]) -> None:
+        """While planning, the totals are ``probe()``: (samples, shards) of this replica placed so far and
+        whether the plan is made, which ends planning."""
         self._planning_probe = probe
         self.planning = True
 
+    def _read_planning(self) -> None:
+        if self.planning and self._planning_probe is not None:
+            samples, shards, made = self._planning_probe()
+            if made:
+                self.plan_known(samples, shards)
+            else:
+                self.samples_total, self.shards_total = samples, shards
+
     def plan_known(self, samples: int, shards: int) -> None:
         self.samples_total, self.shards_total, self.planning = samples, shards, False
+        self._planning_probe = None
 
     def shard_resumed(self, commit: ShardCommit | None, rows: int) -> None:
         """A shard committed by an earlier process: its rows are done (``commit`` None: its record is
@@ -164,8 +174,7 @@ class Progress:
 
     def report(self) -> ProgressReport:
         samples_rate, tokens_rate = self.rates()
-        if self.planning and self._planning_probe is not None:
-            self.samples_total, self.shards_total = self._planning_probe()
+        self._read_planning()
         remaining = max(self.samples_total - self.samples_done, 0)
         eta = remaining / samples_rate if samples_rate > 0 and not self.planning else None
         checked, failed = self._consistency_probe() if self._consistency_probe else (0, 0)

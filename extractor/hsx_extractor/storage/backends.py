@@ -43,7 +43,9 @@ class ObjectSource(Protocol):
     @property
     def size(self) -> int: ...
 
-    def read_at(self, offset: int, length: int) -> bytes | bytearray: ...
+    def read_at(self, offset: int, length: int, into: bytearray | None = None) -> bytes | bytearray:
+        """``into``, when given, is a buffer of exactly ``length`` bytes to fill and return (reused)."""
+        ...
 
 
 class Backend(Protocol):

@@ -22,9 +22,12 @@ class SpooledObject:
     def size(self) -> int:
         return len(self.header) + sum(n for _, n in self.regions)
 
-    def read_at(self, offset: int, length: int) -> bytearray:
-        # One buffer filled in place: the part is copied once, from the spool's pages.
-        out = bytearray(length)
+    def read_at(self, offset: int, length: int, into: bytearray | None = None) -> bytearray:
+        """``length`` bytes from ``offset``, copied once from the spool's pages into ``into`` (reused, its
+        pages already faulted in; it must be exactly ``length`` long) or a new buffer."""
+        if into is not None and len(into) != length:
+            raise ValueError(f"buffer of {len(into)} bytes for a read of {length}")
+        out = into if into is not None else bytearray(length)
         view = memoryview(out)
         end = offset + length
         for seg_start, seg_len, spool_off in self._segments():

@@ -74,8 +74,12 @@ class _ObjectRanges:
     def size(self) -> int:
         return self._size
 
-    def read_at(self, offset: int, length: int) -> bytes:
-        return bytes(self._backend.get_range(self._key, offset, length))
+    def read_at(self, offset: int, length: int, into: bytearray | None = None) -> bytes | bytearray:
+        data = self._backend.get_range(self._key, offset, length)
+        if into is None:
+            return bytes(data)
+        into[:] = data
+        return into
 
 
 def open_uri_source(uri: str, where: S3Endpoint | None = None) -> ObjectSource:
