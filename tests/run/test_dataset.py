@@ -88,6 +88,9 @@ GOOD = chat(("user", "What is the capital of Peru?"), ("assistant", "The capital
         ),
         (json.dumps({"id": "a", "input_ids": [1, 2.5], "loss_mask": [0, 1]}).encode(), Reason.INVALID_ROW),
         (json.dumps({"id": "a", "input_ids": [1, 2], "loss_mask": [0, 2]}).encode(), Reason.INVALID_ROW),
+        (json.dumps({"id": "a", "input_ids": [1, True], "loss_mask": [0, 1]}).encode(), Reason.INVALID_ROW),
+        (json.dumps({"id": "a", "input_ids": [1, 2], "loss_mask": [False, True]}).encode(), Reason.INVALID_ROW),
+        (json.dumps({"id": "a", "input_ids": [1, 2**70], "loss_mask": [0, 1]}).encode(), Reason.IDS_OUT_OF_VOCAB),
     ],
 )
 def test_each_bad_row_gets_its_reason(raw: bytes, reason: Reason, tokenizer: ChatTokenizer) -> None:
@@ -442,3 +445,10 @@ def test_a_long_sample_id_is_a_bad_row_not_a_huge_shard_header(tokenizer: ChatTo
     assert reason_of(long_id, tokenizer) == Reason.INVALID_ROW
     longest = json.dumps({"id": "i" * MAX_ID_CHARS, "messages": messages}).encode()
     assert isinstance(outcome(longest, tokenizer), Prepared)
+
+
+def test_out_of_vocab_detail_counts_and_names_the_first(tokenizer: ChatTokenizer) -> None:
+    vocab = tokenizer.vocab_size
+    raw = json.dumps({"id": "a", "input_ids": [1, vocab + 5, -3, vocab], "loss_mask": [0, 1, 1, 1]}).encode()
+    rejected = outcome(raw, tokenizer)
+    assert isinstance(rejected, Rejected) and rejected.detail == f"3 ids outside [0, {vocab}), first {vocab + 5}"

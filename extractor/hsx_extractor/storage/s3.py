@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import threading
 import uuid
-import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from functools import partial
@@ -19,6 +18,7 @@ from typing import Any
 
 import botocore.config
 import botocore.exceptions
+from isal import isal_zlib
 
 from hsx_extractor.config import OutputSpec
 from hsx_extractor.storage import failpoints
@@ -230,8 +230,9 @@ def part_body_buffer(length: int) -> bytearray:
 def crc32_header(body: bytes | bytearray | memoryview) -> str:
     """The x-amz-checksum-crc32 value of ``body``. Given precomputed, botocore sends it as a header and the
     body as it is; asked to compute it (ChecksumAlgorithm), it wraps an HTTPS body in aws-chunked framing
-    copied in Python under the GIL (~3 GIL-s per GB, issue 17). zlib's CRC32 runs without the GIL."""
-    return base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode()
+    copied in Python under the GIL (~3 GIL-s per GB, issue 17). ISA-L's CRC32 (the same checksum as
+    zlib's) runs without the GIL at ~18 GB/s per core, zlib's at ~2."""
+    return base64.b64encode(isal_zlib.crc32(body).to_bytes(4, "big")).decode()
 
 
 class S3Backend:
