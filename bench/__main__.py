@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in one go, then a one-screen summary (results in bench/results/).
 
-    .venv/bin/python -m bench [--only b1,b2,b3,b4,memory,hook_writer,tokenize,reader,first_request]
+    .venv/bin/python -m bench [--only b1,b2,b3,b4,memory,hook_writer,tokenize,reader,first_request,extractor_cost,s3_clients]
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ def benchmarks() -> dict[str, Callable[[], dict[str, Any]]]:
     from bench.b1_dataplane import run_b1
     from bench.b2_saturation import run_b2
     from bench.b4_operator import run_b4
+    from bench.extractor_cost import run_extractor_cost
     from bench.first_request import run_first_request
     from bench.hook_writer import run_hook_writer
     from bench.memory import run_memory
     from bench.reader import main as run_reader
+    from bench.s3_clients import run_s3_clients
     from bench.tokenize import run_tokenize
 
     return {
@@ -37,6 +39,8 @@ def benchmarks() -> dict[str, Callable[[], dict[str, Any]]]:
         "tokenize": run_tokenize,
         "reader": lambda: run_reader([]),
         "first_request": run_first_request,
+        "extractor_cost": run_extractor_cost,
+        "s3_clients": run_s3_clients,
     }
 
 
@@ -103,6 +107,13 @@ def summary(results: dict[str, Any]) -> list[str]:
                 f"{r['median_first_request_s']:.2f}s", "seconds")
             row("", "  the old pre-pass before it (x)",
                 f"{r['median_pre_pass_s']:.0f}s ({r['pre_pass_over_first_request']:.0f}x)")
+        elif name == "extractor_cost":
+            r = r["this"]
+            row("extractor", f"{r['raw_bytes'] / 2**30:.0f} GiB runs into the null sink: core-s/GB (MB/s)",
+                f"{r['core_s_per_gb']:.2f} ({r['MBps']})", "<= 1.5")
+        elif name == "s3_clients":
+            for client, v in r["runs"].items():
+                row("S3 client", f"{client}: core-s/GB (MB/s)", f"{v['core_s_per_gb']:.2f} ({v['MBps']})")
         elif name == "reader":
             for codec, per in r["codecs"].items():
                 for setting, v in per.items():
@@ -116,7 +127,7 @@ def summary(results: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="run hsx's benchmarks")
-    p.add_argument("--only", default="b1,b2,b3,b4,memory,hook_writer,tokenize,reader,first_request", help="comma-separated subset")
+    p.add_argument("--only", default="b1,b2,b3,b4,memory,hook_writer,tokenize,reader,first_request,extractor_cost,s3_clients", help="comma-separated subset")
     args = p.parse_args(argv)
     table = benchmarks()
     wanted = [n.strip() for n in args.only.split(",") if n.strip()]

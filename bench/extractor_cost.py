@@ -1,0 +1,134 @@
+"""The extractor's own CPU per GB of hidden states, end to end, in steady state; optionally against another
+checkout of hsx side by side (A/B of a change).
+
+    .venv/bin/python -m bench.extractor_cost [--mib 1024] [--rounds 4] [--codec bf16-zstd] [--against DIR] [--pairs 2]
+
+One process runs ``--rounds`` real ``hsx extract`` runs (run.runner.extract) of the same pre-tokenized
+dataset (H=4096, 3 aux layers, 768-1536 tokens per sample, as B1) against the synthetic server, into the
+null S3 sink (bench/null_s3.py), so the CPU counted is the extractor's alone (the server and the sink are
+other processes). The first round warms what a long run keeps (spool files, part and plane buffers) and is
+reported apart; the figure is the median of the others, user and system time apart.
+
+``--against DIR`` runs the same measurement with the hsx checkout in DIR (a ``git worktree`` of another
+commit) in its own process, ``--pairs`` times, alternating with this checkout: both see the same machine
+state, so the difference is the change's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT = "EXTRACTOR_COST "
+
+
+def measure(mib: int, rounds: int, codec: str) -> dict[str, Any]:
+    """``rounds`` extractions in this process (the checkout this module was imported from)."""
+    from bench.b1_dataplane import NUM_AUX, SEED, extract_config, run_extract, sample_lengths
+    from bench.common import null_sink, raw_bytes, rmtree, scratch, synth_server, token_rows, tokenizer_dir
+
+    hidden = 4096
+    work, dumps = scratch("cost"), scratch("cost-dumps", shm=True)
+    lengths = sample_lengths(mib << 20, hidden, 768, 1536, SEED)
+    nbytes = raw_bytes(lengths, hidden, NUM_AUX)
+    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"})
+    out: list[dict[str, float]] = []
+    try:
+        tok = tokenizer_dir(work)
+        dataset = token_rows(work / "rows.jsonl", lengths, SEED)
+        with synth_server(dumps, hidden, 1536) as synth, null_sink() as sink:
+            for r in range(rounds):
+                cfg = extract_config(f"c{r}", dataset, tok, synth.url, dumps, sink, "null", codec, 128 << 20)
+                before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+                run_extract(cfg)
+                after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
+                gb = nbytes / 1e9
+                out.append({
+                    "user": (after.ru_utime - before.ru_utime) / gb,
+                    "sys": (after.ru_stime - before.ru_stime) / gb,
+                    "MBps": nbytes / wall / 1e6,
+                })
+    finally:
+        rmtree(work)
+        rmtree(dumps)
+    steady = out[1:] or out
+    total = [r["user"] + r["sys"] for r in steady]
+    return {
+        "raw_bytes": nbytes,
+        "rounds": out,
+        "first_round_core_s_per_gb": round(out[0]["user"] + out[0]["sys"], 3),
+        "core_s_per_gb": round(statistics.median(total), 3),
+        "user_core_s_per_gb": round(statistics.median(r["user"] for r in steady), 3),
+        "sys_core_s_per_gb": round(statistics.median(r["sys"] for r in steady), 3),
+        "MBps": round(statistics.median(r["MBps"] for r in steady)),
+    }
+
+
+def in_process(checkout: Path, mib: int, rounds: int, codec: str) -> dict[str, Any]:
+    """:func:`measure` in a fresh process importing hsx_extractor from ``checkout`` (the benchmark's own
+    helpers stay this checkout's)."""
+    code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(checkout / 'extractor')!r}]; "
+            f"from bench.extractor_cost import measure, RESULT; import hsx_extractor; "
+            f"assert hsx_extractor.__file__.startswith({str(checkout)!r}), hsx_extractor.__file__; "
+            f"print(RESULT + json.dumps(measure({mib}, {rounds}, {codec!r})), flush=True)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"measuring {checkout} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len(RESULT):])  # type: ignore[no-any-return]
+
+
+def run_extractor_cost(mib: int = 1024, rounds: int = 4, codec: str = "bf16-zstd", against: str | None = None,
+                       pairs: int = 2) -> dict[str, Any]:
+    from bench.common import write_result
+
+    result: dict[str, Any] = {
+        "what": "hsx extract's own CPU per GB of hidden states into the null S3 sink, steady state",
+        "command": f"python -m bench.extractor_cost --mib {mib} --rounds {rounds} --codec {codec}"
+                   + (f" --against {against} --pairs {pairs}" if against else ""),
+        "codec": codec,
+    }
+    if against is None:
+        result["this"] = in_process(ROOT, mib, rounds, codec)
+    else:
+        runs: dict[str, list[dict[str, Any]]] = {"this": [], "against": []}
+        for _ in range(pairs):
+            runs["against"].append(in_process(Path(against).resolve(), mib, rounds, codec))
+            runs["this"].append(in_process(ROOT, mib, rounds, codec))
+        for name, rs in runs.items():
+            result[name] = {"raw_bytes": rs[0]["raw_bytes"],
+                            "core_s_per_gb": round(statistics.median(r["core_s_per_gb"] for r in rs), 3),
+                            "MBps": round(statistics.median(r["MBps"] for r in rs)), "processes": rs}
+        result["against_checkout"] = str(Path(against).resolve())
+        result["this_over_against"] = round(result["this"]["core_s_per_gb"] / result["against"]["core_s_per_gb"], 3)
+    write_result("extractor_cost", result)
+    for name in ("this", "against"):
+        if name in result:
+            r = result[name]
+            print(f"{name:8} {r['core_s_per_gb']:.2f} core-s/GB, {r['MBps']} MB/s", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--codec", default="bf16-zstd", choices=["none", "bf16-zstd", "fp8-e4m3"])
+    ap.add_argument("--against", help="another hsx checkout (a git worktree) to measure side by side")
+    ap.add_argument("--pairs", type=int, default=2)
+    args = ap.parse_args(argv)
+    run_extractor_cost(args.mib, args.rounds, args.codec, args.against, args.pairs)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
