@@ -4,6 +4,7 @@ thread reaches the dataset's end; its errors reach the reader; a stopped run sto
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -168,3 +169,33 @@ def test_progress_totals_follow_the_planning_thread_and_end_when_the_plan_is_mad
     after = progress.report()
     assert not after.planning and (after.samplesTotal, after.shardsTotal) == (10, 2)
     assert not progress.planning and after.etaSeconds is not None
+
+
+def test_replicas_plan_ahead_with_turns_that_straddle_shards(tmp_path: Path, ref_server: RefServer) -> None:
+    """expandTurns: one row's samples may fall in two shards of two replicas; each replica extracts only its
+    own shards' samples, and together they hold every sample once."""
+    rows = []
+    for i in range(40):
+        words = " ".join(["alpha beta gamma delta capital plus times code tests small"] * (1 + i * 7 % 5))
+        messages = []
+        for t in range(3):
+            messages += [{"role": "user", "content": f"Question {i}.{t}: {words}?"},
+                         {"role": "assistant", "content": f"Answer {i}.{t}: {words}."}]
+        rows.append({"id": f"m{i}", "messages": messages})
+    dataset = write_jsonl(tmp_path / "turns.jsonl", rows)
+    progress = {}
+    for replica in (0, 1):
+        cfg = base_config(tmp_path, ref_server, dataset, run_id="turns", dataset__expandTurns=True,
+                          replicaIndex=replica, replicaCount=2)
+        cfg["output"]["shardTargetBytes"] = 1 << 20
+        config = ExtractConfig.model_validate(cfg)
+        progress[replica] = Progress(config.runId, replica)
+        code, _ = asyncio.run(extract(config, progress[replica]))
+        assert code == EXIT_OK, progress[replica].last_error
+    run_dir = tmp_path / "out" / "turns"
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["rows"] == 120 and len(plan["shards"]) >= 4 and any(s["start"] % 3 for s in plan["shards"]), "no row straddles two shards"
+    commits = [json.loads(p.read_text()) for p in sorted((run_dir / "commits").iterdir())]
+    held = sorted(i for c in commits for i in [*c["samples"], *(q["index"] for q in c["quarantined"])])
+    assert held == list(range(120)) and (run_dir / "manifest.json").is_file()
+    assert progress[0].samples_total + progress[1].samples_total == 120

@@ -12,7 +12,7 @@ from typing import Any
 
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.contract import EXIT_OK, EXIT_PERMANENT
-from hsx_extractor.run.plan import ShardPlan, build_plan, row_digest
+from hsx_extractor.run.plan import ShardPlan, build_plan, identity_digest, row_digest
 from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.runner import extract
 from tests.run.helpers import RefServer, base_config, chat_rows, write_jsonl
@@ -119,7 +119,11 @@ def test_shards_committed_before_the_plan_was_stored_are_kept(tmp_path: Path, re
     commits = {p.name: p.read_bytes() for p in (run_dir / "commits").iterdir()}
     stored = _before_the_plan(run_dir, 1)
     record = json.loads(commits["shard-000000.json"])
-    assert record["source"] == {"lines": stored["shards"][0]["lines"], "digest": stored["shards"][0]["digest"]}
+    assert record["source"] == {
+        "lines": stored["shards"][0]["lines"],
+        "digest": stored["shards"][0]["digest"],
+        "plan": identity_digest(stored["identity"]),
+    }
     code, progress = _run(cfg)
     assert code == EXIT_OK, progress.last_error
     assert json.loads((run_dir / "plan.json").read_text()) == stored  # the same plan, made again
@@ -150,3 +154,30 @@ def test_a_row_edited_under_a_shard_committed_before_the_plan_refuses_to_resume(
     error = progress.last_error or ""
     assert f"shard 0 was committed from lines {first['lines'][0]}-{first['lines'][1]}" in error, error
     assert "new runId" in error and not (run_dir / "plan.json").exists()
+
+
+def test_other_settings_after_a_crash_before_the_plan_refuse_to_resume(tmp_path: Path, ref_server: RefServer) -> None:
+    """The same cut from the same rows, but a setting the plan depends on changed (maxLength, which no row
+    reaches): the committed shards were made under other settings."""
+    cfg, _, run_dir = _started(tmp_path, ref_server)
+    _before_the_plan(run_dir, 2)
+    cfg["dataset"]["maxLength"] = 600
+    code, progress = _run(cfg)
+    assert code == EXIT_PERMANENT
+    error = progress.last_error or ""
+    assert "shard 0 was committed with other settings" in error and "new runId" in error, error
+
+
+def test_a_dataset_that_lost_rows_under_committed_shards_refuses_to_resume(
+    tmp_path: Path, ref_server: RefServer
+) -> None:
+    cfg, dataset, run_dir = _started(tmp_path, ref_server)
+    stored = _before_the_plan(run_dir, 0)
+    last = stored["shards"][-1]
+    lines = dataset.read_text().splitlines()
+    dataset.write_text("\n".join(lines[: stored["shards"][-2]["start"]]) + "\n")  # the last two shards gone
+    code, progress = _run(cfg)
+    assert code == EXIT_PERMANENT
+    error = progress.last_error or ""
+    assert f"shards [{last['index'] - 1}, {last['index']}] were committed" in error and "lost rows" in error, error
+    assert not (run_dir / "plan.json").exists()

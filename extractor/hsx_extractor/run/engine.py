@@ -142,7 +142,9 @@ class ShardWorker:
                 reader(emit)
             except _ReaderStopped:
                 return
-            except (OSError, ValueError, StoreError) as exc:
+            except StoreError:
+                raise  # its own exit code: a transient one (S3 busy, plan.json not stored yet) is retried
+            except (OSError, ValueError) as exc:
                 raise DatasetError(f"reading the dataset {self.cfg.dataset.uri}: {exc}") from exc
             finally:
                 if not stop.is_set():

@@ -319,6 +319,8 @@ class Extraction:
             # SGLang's /get_model_info and vLLM name no producer; the reference server names itself.
             producer = str(info.get("producer") or ENGINE_PRODUCERS[cfg.engine])
             engine = engine_of(producer)
+            if not 0 <= cfg.replicaIndex < cfg.replicaCount:
+                raise permanent(f"replicaIndex {cfg.replicaIndex} is outside [0, replicaCount {cfg.replicaCount})")
             plan = await self.load_plan(store, tok, shape)
             committed = await asyncio.to_thread(store.committed_shards)
             consistency = self.consistency_for(shape)
@@ -452,6 +454,12 @@ class Extraction:
             last, plan = planner.finish(last_line, uri_stat(d.uri, where))
             if last is not None:
                 check_cut(last)
+            beyond = sorted(k for k in committed if k >= len(plan.shards))
+            if beyond:
+                raise permanent(
+                    f"shards {beyond[:5]} were committed, but {d.uri} now makes only {len(plan.shards)} shards: "
+                    "the dataset lost rows since; restore it or start a new runId"
+                )
             kept = self.store_plan(store, plan)
             now = self.progress.report()
             print(
@@ -478,7 +486,12 @@ class Extraction:
             self.progress.plan_known(samples, shards)
         finally:
             ahead.stop()
-        assert not worker.unfinished(), "the reader cuts every shard it starts"
+        unfinished = worker.unfinished()
+        if unfinished:
+            raise permanent(
+                f"shards {unfinished[:5]} got fewer rows than the plan gives them: {d.uri} changed while it "
+                "was read; restore it or start a new runId"
+            )
         return plan, worker.commits
 
     async def _extract(
@@ -562,10 +575,6 @@ class Extraction:
         def mine(shard: int) -> bool:
             return shard % cfg.replicaCount == cfg.replicaIndex
 
-        def wanted(index: int) -> bool:
-            placed = ahead.placement(index)
-            return placed is not None and mine(placed.shard) and placed.shard not in committed
-
         def read(emit: Callable[[ReaderEvent], None]) -> None:
             seen = 0  # cuts handed on
 
@@ -581,12 +590,21 @@ class Extraction:
                     # The planning thread checked it against the cut.
                     emit(ShardResumed(store.get_commit(cut.shard), cut.stop - cut.start))
 
+            def wanted(index: int) -> bool:
+                hand_cuts()  # a full shard is sealed as soon as its cut is known, not at the next row sent
+                placed = ahead.placement(index)
+                return placed is not None and mine(placed.shard) and placed.shard not in committed
+
             try:
                 rows = iter_rows(d.uri, dataset_endpoint(cfg))
                 for item in read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns, wanted):
                     placed = ahead.placement(item.index)
                     if placed is None:
                         break
+                    # With expandTurns a row's samples may straddle two shards: only this replica's
+                    # uncommitted ones go on.
+                    if not mine(placed.shard) or placed.shard in committed:
+                        continue
                     hand_cuts()
                     emit(self._routed(item, placed.duplicate, placed.shard, consistency))
                 ahead.plan()
@@ -598,17 +616,28 @@ class Extraction:
 
 
 def check_resumed(commit: ShardCommit, cut: ShardCut, dataset: str) -> None:
-    """A shard committed before plan.json existed must hold the rows the dataset has now (pure)."""
+    """A shard committed before plan.json existed must hold the rows the dataset has now, made with
+    this run's settings (pure)."""
     where = f"shard {cut.shard} was committed"
+    if commit.source is None:
+        raise permanent(
+            f"{where} by a process that stored plan.json, which is gone: hsx cannot tell which rows and settings "
+            "it holds; restore plan.json or start a new runId"
+        )
     if (commit.start, commit.stop) != (cut.start, cut.stop):
         raise permanent(
             f"{where} for samples [{commit.start}, {commit.stop}) but {dataset} now cuts it at "
             f"[{cut.start}, {cut.stop}): the dataset changed since; restore it or start a new runId"
         )
-    now = cut.source_json()
-    if commit.source is not None and now is not None and commit.source != now:
+    now = cut.source_json() or {}
+    if commit.source.get("plan") != now.get("plan"):
+        raise permanent(
+            f"{where} with other settings than this run's (model, tokenizer, capture or dataset options: the "
+            "plan digests differ); use the original settings or a new runId"
+        )
+    if (commit.source["lines"], commit.source["digest"]) != (now.get("lines"), now.get("digest")):
         first, last = commit.source["lines"]
         raise permanent(
             f"{where} from lines {first}-{last} of {dataset}, which changed since (digest "
-            f"{commit.source['digest']}, now {now['digest']}); restore the dataset or start a new runId"
+            f"{commit.source['digest']}, now {now.get('digest')}); restore the dataset or start a new runId"
         )

@@ -54,6 +54,11 @@ class ShardCutter:
         return True
 
 
+def identity_digest(identity: dict[str, Any]) -> str:
+    """xxh3-64 (hex) of a plan's settings (ShardPlan.identity), as canonical JSON."""
+    return xxhash.xxh3_64_hexdigest(json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str).encode())
+
+
 def cut_shards(sample_bytes: Sequence[int], target_bytes: int) -> list[tuple[int, int]]:
     """Contiguous ``[start, end)`` ranges covering every row; a shard closes once it reaches the target.
 
@@ -103,7 +108,7 @@ class ShardPlan:
         start, stop = self.shards[shard]
         if not self.digests:
             return ShardCut(shard, start, stop)
-        return ShardCut(shard, start, stop, self.lines[shard], self.digests[shard])
+        return ShardCut(shard, start, stop, self.lines[shard], self.digests[shard], identity_digest(self.identity))
 
     def shard_of(self) -> dict[int, int]:
         """Row index -> shard index, for the rows of every shard."""
@@ -229,13 +234,15 @@ class ShardCut:
     stop: int
     lines: tuple[int, int] | None = None
     digest: str | None = None
+    # identity_digest of the settings the plan was made with.
+    plan: str | None = None
 
     def source_json(self) -> dict[str, Any] | None:
-        """What a commit record keeps of it, so a run whose plan.json was never written can tell
-        a committed shard's rows from changed ones."""
+        """What a commit record keeps of it, so a run whose plan.json was never written can tell a
+        committed shard's rows, and the settings it was made with, from changed ones."""
         if self.lines is None or self.digest is None:
             return None
-        return {"lines": list(self.lines), "digest": self.digest}
+        return {"lines": list(self.lines), "digest": self.digest, **({"plan": self.plan} if self.plan else {})}
 
 
 @dataclass(frozen=True)
@@ -299,7 +306,7 @@ class Planner:
             lines = (self._first_line, last_line)
             digest = shard_digests([lines], self.line_digests)[0]
         self._first_line = None
-        cut = ShardCut(shard, start, stop, lines, digest)
+        cut = ShardCut(shard, start, stop, lines, digest, identity_digest(self.identity) if digest else None)
         self._cuts.append(cut)
         return cut
 

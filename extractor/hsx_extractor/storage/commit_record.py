@@ -83,7 +83,8 @@ class ShardCommit:
     # per-layer token-norm statistics (storage.layer_stats) and the consistency check's results.
     layer_norms: dict[str, Any] | None = field(default=None, repr=False, compare=False)
     consistency: dict[str, Any] | None = field(default=None, repr=False, compare=False)
-    # The file lines the shard's rows come from and their digest ({"lines": [first, last], "digest"}),
+    # The file lines the shard's rows come from, their digest and the plan settings' digest
+    # ({"lines": [first, last], "digest", "plan"}),
     # kept when the shard was cut while the plan was being made: before plan.json exists, this is
     # what tells a resumed run that the dataset changed under a committed shard.
     source: dict[str, Any] | None = field(default=None, repr=False, compare=False)
@@ -205,4 +206,7 @@ def _source(obj: Any) -> dict[str, Any]:
         raise ShardFormatError(f"source lines must be [first, last], got {len(lines)} values")
     first = json_int(lines[0], "source first line", hi=1 << 62)
     last = json_int(lines[1], "source last line", lo=first, hi=1 << 62)
-    return {"lines": [first, last], "digest": json_hex16(obj["digest"], "source digest")}
+    source = {"lines": [first, last], "digest": json_hex16(obj["digest"], "source digest")}
+    if obj.get("plan") is not None:
+        source["plan"] = json_hex16(obj["plan"], "source plan")
+    return source
