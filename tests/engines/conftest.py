@@ -76,13 +76,30 @@ def sglang_server_factory(
         server.stop()
 
 
+# Shared memory the engines make in /dev/shm (torch's file-system storages, SGLang's load reports); a
+# server that is SIGKILLed, as several tests here do, leaves them (~400 MB in a full run).
+SHM = Path("/dev/shm")
+ENGINE_SHM_PREFIXES = ("psm_", "sglang_")
+
+
+def engine_shm() -> set[str]:
+    try:
+        return {p.name for p in SHM.iterdir() if p.name.startswith(ENGINE_SHM_PREFIXES)}
+    except OSError:
+        return set()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_server_outlives_its_module() -> Iterator[None]:
     """Stop every server when a module's tests are done: in a full `make test` the rest of the session
-    must not share the machine with an idle SGLang (~3 GB). A later module restarts what it needs."""
+    must not share the machine with an idle SGLang (~3 GB). A later module restarts what it needs.
+    Then remove the shared memory this module's servers left behind."""
+    before = engine_shm()
     yield
     for server in STARTED:
         server.stop()
+    for name in engine_shm() - before:
+        (SHM / name).unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
