@@ -89,6 +89,22 @@ def engine_shm() -> set[str]:
         return set()
 
 
+def _remove_engine_shm(names: set[str]) -> None:
+    for name in names:
+        (SHM / name).unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _engine_shm_removed_at_the_end() -> Iterator[None]:
+    """Taken before any server starts (session servers start before a module's fixtures), so what the
+    session server left, under a name it reuses on every start, goes too."""
+    before = engine_shm()
+    yield
+    for server in STARTED:
+        server.stop()
+    _remove_engine_shm(engine_shm() - before)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_server_outlives_its_module() -> Iterator[None]:
     """Stop every server when a module's tests are done: in a full `make test` the rest of the session
@@ -98,8 +114,7 @@ def _no_server_outlives_its_module() -> Iterator[None]:
     yield
     for server in STARTED:
         server.stop()
-    for name in engine_shm() - before:
-        (SHM / name).unlink(missing_ok=True)
+    _remove_engine_shm(engine_shm() - before)
 
 
 @pytest.fixture(scope="session")
