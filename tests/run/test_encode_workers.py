@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hsx_extractor.run.extraction import encode_workers, usable_cores
+from hsx_extractor.run.engine import encode_workers, usable_cores
 
 
 @pytest.mark.parametrize(("cores", "threads"), [(0.5, 1), (1.0, 1), (3.6, 4), (8.0, 8), (128.0, 16)])

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hsx_extractor.config import ExtractConfig
@@ -32,6 +34,31 @@ from hsx_extractor.storage.backends import StoreError
 from hsx_extractor.storage.commit_record import QuarantineEntry, ShardCommit
 from hsx_extractor.storage.shard_format import SampleRecord
 from hsx_extractor.storage.store import ShardBuilder, Store
+
+
+def usable_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> float:
+    """CPUs this process may use: the cgroup's CPU limit (a pod's limits.cpu; cgroup v2 `cpu.max` or v1
+    `cpu.cfs_quota_us`) when there is one, else the CPUs it may be scheduled on."""
+    for quota_file, period_file in (("cpu.max", None), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
+        try:
+            text = (cgroup / quota_file).read_text().split()
+            quota, period = (text[0], text[1]) if period_file is None else (text[0], (cgroup / period_file).read_text())
+            if quota not in ("max", "-1"):
+                return max(int(quota) / int(period), 1.0)
+        except (OSError, ValueError, IndexError):
+            continue
+    return float(len(os.sched_getaffinity(0)))
+
+
+def encode_workers(cores: float | None = None) -> int:
+    """Threads that encode samples: one per usable core, at most 16 (HSX_ENCODE_THREADS overrides)."""
+    wanted = os.environ.get("HSX_ENCODE_THREADS")
+    if wanted:
+        if not wanted.isdigit() or int(wanted) < 1:
+            raise permanent(f"HSX_ENCODE_THREADS must be a positive whole number, got {wanted!r}")
+        return int(wanted)
+    return max(1, min(16, round(cores if cores is not None else usable_cores())))
+
 
 # A sender waiting this long for room in the dump directory is reported as stalled.
 STALL_REPORT_SECONDS = 30.0

@@ -12,10 +12,9 @@ import functools
 import hashlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
@@ -31,7 +30,6 @@ from hsx_extractor.model import (
     model_shape,
 )
 from hsx_extractor.protocol import RunKey
-from hsx_extractor.reasons import Reason
 from hsx_extractor.run import collect
 from hsx_extractor.run.consistency import (
     CaptureInconsistent,
@@ -44,10 +42,8 @@ from hsx_extractor.run.consistency import (
 from hsx_extractor.run.dataset import Prepared, Rejected, dataset_endpoint, read_samples
 from hsx_extractor.run.engine import (
     EngineContext,
-    ReaderEvent,
-    ShardResumed,
-    ShardRow,
     ShardWorker,
+    encode_workers,
 )
 from hsx_extractor.run.failures import permanent
 from hsx_extractor.run.lm_head import LmHead
@@ -60,8 +56,9 @@ from hsx_extractor.run.plan import (
     hashed,
     replica_shards,
 )
-from hsx_extractor.run.planning import PlanAhead, PlanStopped
+from hsx_extractor.run.planning import PlanAhead, check_committed, check_none_beyond
 from hsx_extractor.run.progress import Progress
+from hsx_extractor.run.readers import Reader, owned_by, planned_reader, planning_reader
 from hsx_extractor.run.server_client import ServerClient
 from hsx_extractor.run.sources import iter_rows
 from hsx_extractor.run.tokens import ChatTokenizer, TokenizerError
@@ -120,30 +117,6 @@ class RunResult:
     shards_done: list[int]
     commits: list[ShardCommit] = field(default_factory=list)
     manifest: dict[str, Any] | None = None
-
-
-def usable_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> float:
-    """CPUs this process may use: the cgroup's CPU limit (a pod's limits.cpu; cgroup v2 `cpu.max` or v1
-    `cpu.cfs_quota_us`) when there is one, else the CPUs it may be scheduled on."""
-    for quota_file, period_file in (("cpu.max", None), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
-        try:
-            text = (cgroup / quota_file).read_text().split()
-            quota, period = (text[0], text[1]) if period_file is None else (text[0], (cgroup / period_file).read_text())
-            if quota not in ("max", "-1"):
-                return max(int(quota) / int(period), 1.0)
-        except (OSError, ValueError, IndexError):
-            continue
-    return float(len(os.sched_getaffinity(0)))
-
-
-def encode_workers(cores: float | None = None) -> int:
-    """Threads that encode samples: one per usable core, at most 16 (HSX_ENCODE_THREADS overrides)."""
-    wanted = os.environ.get("HSX_ENCODE_THREADS")
-    if wanted:
-        if not wanted.isdigit() or int(wanted) < 1:
-            raise permanent(f"HSX_ENCODE_THREADS must be a positive whole number, got {wanted!r}")
-        return int(wanted)
-    return max(1, min(16, round(cores if cores is not None else usable_cores())))
 
 
 class Extraction:
@@ -404,7 +377,8 @@ class Extraction:
         if not todo:
             return []
         cuts = [plan.cut(k) for k in todo]
-        worker = await self._extract(store, client, shape, producer, consistency, self._planned_reader(tok, plan, cuts, consistency))
+        reader = planned_reader(self.cfg, tok, plan, cuts, consistency)
+        worker = await self._extract(store, client, shape, producer, consistency, reader)
         unfinished = worker.unfinished()
         if unfinished:
             raise permanent(
@@ -441,12 +415,7 @@ class Extraction:
             return read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns)
 
         def check_cut(cut: ShardCut) -> None:
-            # Before plan.json exists, a commit record's rows are checked here, by the thread that
-            # stores the plan: a plan is never stored over a shard committed from other rows.
-            if cut.shard in committed:
-                commit = store.get_commit(cut.shard)
-                if commit is not None:
-                    check_resumed(commit, cut, d.uri)
+            check_committed(store, committed, cut, d.uri)
 
         def finish(planner: Planner, last_line: int) -> ShardPlan:
             if planner.rows == 0:
@@ -454,12 +423,7 @@ class Extraction:
             last, plan = planner.finish(last_line, uri_stat(d.uri, where))
             if last is not None:
                 check_cut(last)
-            beyond = sorted(k for k in committed if k >= len(plan.shards))
-            if beyond:
-                raise permanent(
-                    f"shards {beyond[:5]} were committed, but {d.uri} now makes only {len(plan.shards)} shards: "
-                    "the dataset lost rows since; restore it or start a new runId"
-                )
+            check_none_beyond(committed, plan, d.uri)
             kept = self.store_plan(store, plan)
             now = self.progress.report()
             print(
@@ -470,16 +434,13 @@ class Extraction:
             )
             return kept
 
-        def mine(shard: int) -> bool:
-            return shard % self.cfg.replicaCount == self.cfg.replicaIndex
-
-        ahead = PlanAhead(items, planner, finish, check_cut, mine)
+        ahead = PlanAhead(items, planner, finish, check_cut, owned_by(self.cfg))
         started = time.monotonic()
         self.progress.watch_planning(ahead.placed)
         self.progress.mark_running()
         ahead.start()
         try:
-            reader = self._planning_reader(store, tok, ahead, committed, consistency)
+            reader = planning_reader(self.cfg, store, tok, ahead, committed, consistency)
             worker = await self._extract(store, client, shape, producer, consistency, reader)
             plan = await asyncio.to_thread(ahead.plan)
             samples, shards, _ = ahead.placed()
@@ -501,7 +462,7 @@ class Extraction:
         shape: ModelShape,
         producer: str,
         consistency: Consistency | None,
-        reader: Callable[[Callable[[ReaderEvent], None]], None],
+        reader: Reader,
     ) -> ShardWorker:
         ctx = EngineContext(
             self.cfg,
@@ -530,114 +491,3 @@ class Extraction:
                     flush=True,
                 )
         return worker
-
-    def _routed(self, item: Prepared | Rejected, duplicate: bool, shard: int, consistency: Consistency | None) -> ShardRow:
-        """The row as the worker gets it: a repeated id rejected, the first accepted rows of each shard
-        picked for the consistency check."""
-        if isinstance(item, Prepared) and duplicate:
-            detail = f"id {item.sample_id!r} is used by an earlier row"
-            item = Rejected(item.index, item.sample_id, Reason.DUPLICATE_ID, detail, item.line)
-        if isinstance(item, Prepared) and consistency is not None:
-            consistency.picks.offer(shard, item.index)
-        return ShardRow(shard, item)
-
-    def _planned_reader(
-        self, tok: ChatTokenizer, plan: ShardPlan, cuts: list[ShardCut], consistency: Consistency | None
-    ) -> Callable[[Callable[[ReaderEvent], None]], None]:
-        d = self.cfg.dataset
-        shard_of = {i: c.shard for c in cuts for i in range(c.start, c.stop)}
-
-        def read(emit: Callable[[ReaderEvent], None]) -> None:
-            for cut in cuts:  # every shard's rows are known: the worker may seal one as soon as it is full
-                emit(cut)
-            rows = iter_rows(d.uri, dataset_endpoint(self.cfg))
-            wanted = shard_of.__contains__
-            for item in read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns, wanted):
-                if item.index >= plan.rows:
-                    return
-                if item.index in shard_of:
-                    emit(self._routed(item, item.index in plan.duplicates, shard_of[item.index], consistency))
-
-        return read
-
-    def _planning_reader(
-        self,
-        store: Store,
-        tok: ChatTokenizer,
-        ahead: PlanAhead,
-        committed: set[int],
-        consistency: Consistency | None,
-    ) -> Callable[[Callable[[ReaderEvent], None]], None]:
-        """The rows of this replica's uncommitted shards as the planning thread places them, each shard's
-        cut as soon as it is made, and the totals once the plan is stored."""
-        cfg, d = self.cfg, self.cfg.dataset
-
-        def mine(shard: int) -> bool:
-            return shard % cfg.replicaCount == cfg.replicaIndex
-
-        def read(emit: Callable[[ReaderEvent], None]) -> None:
-            seen = 0  # cuts handed on
-
-            def hand_cuts() -> None:
-                nonlocal seen
-                for cut in ahead.cuts(seen):
-                    seen += 1
-                    if not mine(cut.shard):
-                        continue
-                    if cut.shard not in committed:
-                        emit(cut)
-                        continue
-                    # The planning thread checked it against the cut.
-                    emit(ShardResumed(store.get_commit(cut.shard), cut.stop - cut.start))
-
-            def wanted(index: int) -> bool:
-                hand_cuts()  # a full shard is sealed as soon as its cut is known, not at the next row sent
-                placed = ahead.placement(index)
-                return placed is not None and mine(placed.shard) and placed.shard not in committed
-
-            try:
-                rows = iter_rows(d.uri, dataset_endpoint(cfg))
-                for item in read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns, wanted):
-                    placed = ahead.placement(item.index)
-                    if placed is None:
-                        break
-                    # With expandTurns a row's samples may straddle two shards: only this replica's
-                    # uncommitted ones go on.
-                    if not mine(placed.shard) or placed.shard in committed:
-                        continue
-                    hand_cuts()
-                    emit(self._routed(item, placed.duplicate, placed.shard, consistency))
-                ahead.plan()
-            except PlanStopped:
-                return
-            hand_cuts()
-
-        return read
-
-
-def check_resumed(commit: ShardCommit, cut: ShardCut, dataset: str) -> None:
-    """A shard committed before plan.json existed must hold the rows the dataset has now, made with
-    this run's settings (pure)."""
-    where = f"shard {cut.shard} was committed"
-    if commit.source is None:
-        raise permanent(
-            f"{where} by a process that stored plan.json, which is gone: hsx cannot tell which rows and settings "
-            "it holds; restore plan.json or start a new runId"
-        )
-    if (commit.start, commit.stop) != (cut.start, cut.stop):
-        raise permanent(
-            f"{where} for samples [{commit.start}, {commit.stop}) but {dataset} now cuts it at "
-            f"[{cut.start}, {cut.stop}): the dataset changed since; restore it or start a new runId"
-        )
-    now = cut.source_json() or {}
-    if commit.source.get("plan") != now.get("plan"):
-        raise permanent(
-            f"{where} with other settings than this run's (model, tokenizer, capture or dataset options: the "
-            "plan digests differ); use the original settings or a new runId"
-        )
-    if (commit.source["lines"], commit.source["digest"]) != (now.get("lines"), now.get("digest")):
-        first, last = commit.source["lines"]
-        raise permanent(
-            f"{where} from lines {first}-{last} of {dataset}, which changed since (digest "
-            f"{commit.source['digest']}, now {now.get('digest')}); restore the dataset or start a new runId"
-        )

@@ -17,7 +17,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from hsx_extractor.run.dataset import Prepared, Rejected
+from hsx_extractor.run.failures import permanent
 from hsx_extractor.run.plan import Planner, ShardCut, ShardPlan
+from hsx_extractor.storage.commit_record import ShardCommit
+from hsx_extractor.storage.store import Store
 
 
 @dataclass(frozen=True)
@@ -142,3 +145,50 @@ class PlanAhead:
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
+
+
+def check_resumed(commit: ShardCommit, cut: ShardCut, dataset: str) -> None:
+    """A shard committed before plan.json existed must hold the rows the dataset has now, made with
+    this run's settings (pure)."""
+    where = f"shard {cut.shard} was committed"
+    if commit.source is None:
+        raise permanent(
+            f"{where} by a process that stored plan.json, which is gone: hsx cannot tell which rows and settings "
+            "it holds; restore plan.json or start a new runId"
+        )
+    if (commit.start, commit.stop) != (cut.start, cut.stop):
+        raise permanent(
+            f"{where} for samples [{commit.start}, {commit.stop}) but {dataset} now cuts it at "
+            f"[{cut.start}, {cut.stop}): the dataset changed since; restore it or start a new runId"
+        )
+    now = cut.source_json() or {}
+    if commit.source.get("plan") != now.get("plan"):
+        raise permanent(
+            f"{where} with other settings than this run's (model, tokenizer, capture or dataset options: the "
+            "plan digests differ); use the original settings or a new runId"
+        )
+    if (commit.source["lines"], commit.source["digest"]) != (now.get("lines"), now.get("digest")):
+        first, last = commit.source["lines"]
+        raise permanent(
+            f"{where} from lines {first}-{last} of {dataset}, which changed since (digest "
+            f"{commit.source['digest']}, now {now.get('digest')}); restore the dataset or start a new runId"
+        )
+
+
+def check_committed(store: Store, committed: set[int], cut: ShardCut, dataset: str) -> None:
+    """Before plan.json exists, the planning thread checks each committed shard against its cut, so a
+    plan is never stored over a shard committed from other rows or settings."""
+    if cut.shard in committed:
+        commit = store.get_commit(cut.shard)
+        if commit is not None:
+            check_resumed(commit, cut, dataset)
+
+
+def check_none_beyond(committed: set[int], plan: ShardPlan, dataset: str) -> None:
+    """A committed shard past the new plan's last one: the dataset lost rows since it was committed."""
+    beyond = sorted(k for k in committed if k >= len(plan.shards))
+    if beyond:
+        raise permanent(
+            f"shards {beyond[:5]} were committed, but {dataset} now makes only {len(plan.shards)} shards: "
+            "the dataset lost rows since; restore it or start a new runId"
+        )
