@@ -110,10 +110,6 @@ class ShardPlan:
             return ShardCut(shard, start, stop)
         return ShardCut(shard, start, stop, self.lines[shard], self.digests[shard], identity_digest(self.identity))
 
-    def shard_of(self) -> dict[int, int]:
-        """Row index -> shard index, for the rows of every shard."""
-        return {i: k for k, (start, end) in enumerate(self.shards) for i in range(start, end)}
-
     def planned(self) -> list[tuple[int, int, int]]:
         """``(shard index, start, stop)`` of every shard, as the store's finalize takes them."""
         return [(k, a, b) for k, (a, b) in enumerate(self.shards)]
