@@ -397,3 +397,6 @@ def test_a_local_ranged_read_past_the_end_allocates_what_exists(tmp_path: Path) 
     finally:
         tracemalloc.stop()
     assert got == b"456789" and peak < 1 << 20
+    into = memoryview(bytearray(16))
+    assert bytes(backend.get_range_into("k", 4, into)) == b"456789"  # what exists
+    assert bytes(backend.get_range_into("k", 20, into)) == b""

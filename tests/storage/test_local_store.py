@@ -63,6 +63,33 @@ def test_full_run_round_trips_and_verifies(tmp_path: Path, compression: str) -> 
     assert item["input_ids"].tolist() == expected.input_ids.tolist()
 
 
+@pytest.mark.parametrize("compression", ["none", "bf16-zstd", "fp8-e4m3"])
+def test_samples_read_one_after_another_stay_their_own(tmp_path: Path, compression: str) -> None:
+    # Stored bytes are read into one buffer kept per thread: what a read returned must not change
+    # when the next read (longer, shorter, another shard) reuses that buffer.
+    store = _store(tmp_path, compression)
+    write_run(store, plan_for(9, 3))
+    finalize_run(store, {"model": "tiny", "captureLayers": [2, 4, 5], "tokenizerFingerprint": "ab" * 8})
+    dataset = HiddenStatesDataset(str(tmp_path / "run-1"))
+    order = (4, 0, 8, 1, 5, 2, 7, 3, 6)  # lengths differ; shards interleave
+    held = [dataset[p] for p in order]
+    records = [dataset.reader.read(p) for p in order]
+    for item, rec, p in zip(held, records, order, strict=True):
+        expected = record(p, seq_len_of(p))
+        assert rec.input_ids.tolist() == expected.input_ids.tolist()
+        assert rec.loss_mask.tolist() == expected.loss_mask.tolist()
+        assert item["input_ids"].tolist() == expected.input_ids.tolist()
+        assert item["loss_mask"].tolist() == expected.loss_mask.tolist()
+        if compression == "fp8-e4m3":  # lossy: the same sample decodes to the same values again
+            again = dataset[p]
+            assert torch.equal(item["aux_hidden_state"], again["aux_hidden_state"])
+            continue
+        bits = item["aux_hidden_state"][0].view(torch.int16).numpy().view(np.uint16)
+        assert bits.tobytes() == expected.aux_hidden_states.tobytes()
+        bits = item["hidden_state"][0].view(torch.int16).numpy().view(np.uint16)
+        assert bits.tobytes() == expected.hidden_states.tobytes()
+
+
 def test_resume_skips_committed_shards_and_each_sample_is_stored_once(tmp_path: Path) -> None:
     plan = plan_for(12, 4)
     store = _store(tmp_path)

@@ -81,10 +81,16 @@ def test_round_trip_of_every_tensor_is_byte_exact(s3_env: S3Server, s3_bucket: s
     assert run_verify(run_uri, sample_fraction=0.3, output=spec).ok
     dataset = HiddenStatesDataset(run_uri, output=spec)
     reader = dataset.reader
-    for position in range(len(dataset)):
-        got = reader.read(position)
+    # Held together: each read reuses one buffer, and no sample may change under the next read.
+    got_all = [reader.read(position) for position in range(len(dataset))]
+    for got in got_all:
         assert_same(got, record(got.index, seq_len_of(got.index), 256))
     assert len(dataset) == 13
+    key = store.shard_object_key(0)
+    size = store.backend.size(key)
+    assert size is not None
+    tail = store.backend.get_range_into(key, size - 3, memoryview(bytearray(10)))
+    assert bytes(tail) == store.backend.get_range(key, size - 3, 3) and len(tail) == 3  # what exists
     assert _uploads(s3_env, s3_bucket) == []
 
 

@@ -57,6 +57,11 @@ class Backend(Protocol):
 
     def get_range(self, key: str, start: int, length: int) -> bytes: ...
 
+    def get_range_into(self, key: str, start: int, into: memoryview) -> memoryview:
+        """Like ``get_range`` for ``len(into)`` bytes, read into ``into`` (a buffer the caller reuses:
+        no fresh pages per read); the part of it that was filled."""
+        ...
+
     def size(self, key: str) -> int | None: ...
 
     def put_if_absent(self, key: str, data: bytes) -> bool: ...
@@ -98,6 +103,16 @@ class LocalBackend:
             length = max(0, min(length, os.fstat(f.fileno()).st_size - start))
             f.seek(start)
             return f.read(length)
+
+    def get_range_into(self, key: str, start: int, into: memoryview) -> memoryview:
+        got = 0
+        with open(self._path(key), "rb") as f:
+            while got < len(into):
+                n = os.preadv(f.fileno(), [into[got:]], start + got)
+                if n <= 0:
+                    break  # what exists, like S3
+                got += n
+        return into[:got]
 
     def size(self, key: str) -> int | None:
         try:

@@ -296,14 +296,21 @@ class S3Backend:
             return None
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
+        return bytes(self._get_range(key, start, length, None))
+
+    def get_range_into(self, key: str, start: int, into: memoryview) -> memoryview:
+        data = self._get_range(key, start, len(into), into)
+        return data if isinstance(data, memoryview) else memoryview(data)
+
+    def _get_range(self, key: str, start: int, length: int, into: memoryview | None) -> bytes | memoryview:
         if length <= 0:
             return b""
 
-        def fetch() -> bytes:
+        def fetch() -> bytes | memoryview:
             resp = self.client.get_object(
                 Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}"
             )
-            data: bytes = resp["Body"].read()
+            data = resp["Body"].read() if into is None else _read_into(resp["Body"], into)
             total = int(str(resp.get("ContentRange", "/0")).rsplit("/", 1)[-1] or 0)
             if len(data) != min(length, max(total - start, 0)):
                 raise botocore.exceptions.IncompleteReadError(actual_bytes=len(data), expected_bytes=length)
@@ -394,3 +401,16 @@ def split_object_uri(uri: str) -> tuple[str, str]:
     if location.bucket is None or not location.prefix:
         raise InvalidKeyError(f"{uri!r} does not name an object (s3://bucket/key)")
     return location.bucket, validate_prefix(location.prefix)
+
+
+def _read_into(body: Any, view: memoryview) -> memoryview:
+    """A response body read into ``view`` (a reused buffer: no fresh pages per read); what it held."""
+    got = 0
+    while got < len(view):
+        n = body.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    if body.read(1):
+        raise botocore.exceptions.IncompleteReadError(actual_bytes=got + 1, expected_bytes=len(view))
+    return view[:got]
