@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import itertools
 import os
 import threading
@@ -154,6 +155,17 @@ class ShardWorker:
         self._shard_lock = threading.Lock()
 
     async def run(self, reader: Callable[[Callable[[ReaderEvent], None]], None]) -> None:
+        # What start-up made (modules, tokenizer: ~375k objects) lives for the whole run: frozen, a full
+        # collection no longer walks it (0.1 s each; user time -0.03 core-s/GB, bench/extractor_cost.py).
+        # Unfrozen after, so what dies later in cycles is collected in processes that run again (tests).
+        gc.collect()
+        gc.freeze()
+        try:
+            await self._run(reader)
+        finally:
+            gc.unfreeze()
+
+    async def _run(self, reader: Callable[[Callable[[ReaderEvent], None]], None]) -> None:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[ReaderEvent | None] = asyncio.Queue(maxsize=4 * self.cfg.concurrency)
         stop = threading.Event()
