@@ -8,7 +8,9 @@ consumer thread deletes them as the extractor would. Per variant: GB/s written, 
 (process CPU, user + system, over the round) and the share of wall time the submitting thread was
 blocked in ``submit`` (what the scheduler would lose). The baseline is round 1's writer (one thread,
 ``torch.cat`` of the chunks and a torch conversion) in the same run. Tokens per second are GB/s over
-57,344 B; a saturated 8-GPU prefill of a 7168-hidden model is 40-100k tok/s (2.3-5.7 GB/s).
+57,344 B; a saturated 8-GPU prefill of a 7168-hidden model is 40-100k tok/s (2.3-5.7 GB/s). The paced
+variants submit at 25k, 50k and 100k tok/s, as a scheduler producing dumps at that rate would: the share
+of wall time ``submit`` blocked is what the scheduler would lose at that rate.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from hsx_extractor.sglang_hook import writer as hook_writer
 HIDDEN = 7168
 NUM_AUX = 3
 BYTES_PER_TOKEN = (NUM_AUX + 1) * HIDDEN * 2
+DEFAULT_THREADS = hook_writer.DEFAULT_WRITER_THREADS
 
 
 def _round1_run_job(dump_dir: Path, job: hook_writer.DumpJob | hook_writer.ErrorJob) -> Path:
@@ -80,7 +83,10 @@ def _jobs(tokens: int, chunks: int, requests: int) -> list[hook_writer.DumpJob]:
     return jobs
 
 
-def _one_round(threads: int, chunks: int, tokens: int, requests: int, round1: bool) -> dict[str, float]:
+def _one_round(
+    threads: int, chunks: int, tokens: int, requests: int, round1: bool, rate: float | None = None
+) -> dict[str, float]:
+    """One variant's round; with ``rate`` (tokens/s) the scheduler submits at that pace instead of flat out."""
     dump_dir = scratch("hook-writer", shm=True)
     consumer = _Consumer(dump_dir)
     consumer.start()
@@ -92,7 +98,9 @@ def _one_round(threads: int, chunks: int, tokens: int, requests: int, round1: bo
         jobs = _jobs(tokens, chunks, requests)
         blocked = 0.0
         cpu0, t0 = cpu_seconds(), time.perf_counter()
-        for job in jobs:
+        for n, job in enumerate(jobs):
+            if rate is not None:  # the scheduler's pace: request n is ready at n * tokens / rate
+                time.sleep(max(0.0, t0 + n * tokens / rate - time.perf_counter()))
             s = time.perf_counter()
             writer.submit(job)
             blocked += time.perf_counter() - s
@@ -107,6 +115,9 @@ def _one_round(threads: int, chunks: int, tokens: int, requests: int, round1: bo
     return {"GBps": gb / wall, "core_s_per_GB": cpu / gb, "submit_blocked_share": blocked / wall}
 
 
+PACED_TOKENS_PER_S = (25_000, 50_000, 100_000)
+
+
 def run_hook_writer(rounds: int = 5, tokens: int = 2048, chunks: int = 8, requests: int = 24) -> dict[str, Any]:
     variants: dict[str, Callable[[], dict[str, float]]] = {
         "round 1 writer (1 thread, torch.cat), 1 chunk": lambda: _one_round(1, 1, tokens, requests, True),
@@ -119,6 +130,10 @@ def run_hook_writer(rounds: int = 5, tokens: int = 2048, chunks: int = 8, reques
             variants[f"{threads} writer thread(s), {n} chunk(s)"] = functools.partial(
                 _one_round, threads, n, tokens, requests, False
             )
+    for rate in PACED_TOKENS_PER_S:  # a scheduler producing dumps at a given pace: how long is it blocked?
+        variants[f"{DEFAULT_THREADS} writer threads, {chunks} chunks, paced at {rate // 1000}k tok/s"] = (
+            functools.partial(_one_round, DEFAULT_THREADS, chunks, tokens, requests, False, float(rate))
+        )
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     for _ in range(rounds):  # interleaved, so drift in the machine's load touches every variant alike
         for name, fn in variants.items():
