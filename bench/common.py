@@ -98,10 +98,26 @@ def synth_server(dump_dir: Path, hidden: int, pool_rows: int, *extra: str) -> It
             proc.wait()
 
 
+def self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, made with the openssl CLI (the client trusts the
+    certificate itself, e.g. through ``AWS_CA_BUNDLE``)."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )
+    return cert, key
+
+
 @contextlib.contextmanager
-def null_sink() -> Iterator[str]:
-    """``python -m bench.null_s3`` on a free 127.0.0.1 port (its endpoint URL); stopped on exit."""
-    proc = subprocess.Popen([sys.executable, "-m", "bench.null_s3"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+def null_sink(tls: tuple[Path, Path] | None = None) -> Iterator[str]:
+    """``python -m bench.null_s3`` on a free 127.0.0.1 port (its endpoint URL); stopped on exit.
+    With ``tls`` (certificate, key) it serves HTTPS."""
+    cmd = [sys.executable, "-m", "bench.null_s3"]
+    if tls is not None:
+        cmd += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()

@@ -1,7 +1,7 @@
 """The extractor's own CPU per GB of hidden states, end to end, in steady state; optionally against another
 checkout of hsx side by side (A/B of a change).
 
-    .venv/bin/python -m bench.extractor_cost [--mib 1024] [--rounds 4] [--codec bf16-zstd] [--against DIR] [--pairs 2]
+    .venv/bin/python -m bench.extractor_cost [--mib 1024] [--rounds 4] [--codec bf16-zstd] [--against DIR | --tls] [--pairs 2]
 
 One process runs ``--rounds`` real ``hsx extract`` runs (run.runner.extract) of the same pre-tokenized
 dataset (H=4096, 3 aux layers, 768-1536 tokens per sample, as B1) against the synthetic server, into the
@@ -11,7 +11,9 @@ reported apart; the figure is the median of the others, user and system time apa
 
 ``--against DIR`` runs the same measurement with the hsx checkout in DIR (a ``git worktree`` of another
 commit) in its own process, ``--pairs`` times, alternating with this checkout: both see the same machine
-state, so the difference is the change's.
+state, so the difference is the change's. ``--tls`` instead runs this checkout against the sink over HTTP
+and over HTTPS, alternating (bench/results/extractor_cost_tls.json), and projects the cores a pod needs at
+1, 3 and 6 GB/s over HTTPS from the HTTPS figure.
 """
 
 from __future__ import annotations
@@ -31,10 +33,20 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULT = "EXTRACTOR_COST "
 
 
-def measure(mib: int, rounds: int, codec: str) -> dict[str, Any]:
-    """``rounds`` extractions in this process (the checkout this module was imported from)."""
+def measure(mib: int, rounds: int, codec: str, tls: bool = False) -> dict[str, Any]:
+    """``rounds`` extractions in this process (the checkout this module was imported from); with ``tls``
+    the sink serves HTTPS (a self-signed certificate the extractor trusts through AWS_CA_BUNDLE)."""
     from bench.b1_dataplane import NUM_AUX, SEED, extract_config, run_extract, sample_lengths
-    from bench.common import null_sink, raw_bytes, rmtree, scratch, synth_server, token_rows, tokenizer_dir
+    from bench.common import (
+        null_sink,
+        raw_bytes,
+        rmtree,
+        scratch,
+        self_signed_cert,
+        synth_server,
+        token_rows,
+        tokenizer_dir,
+    )
 
     hidden = 4096
     work, dumps = scratch("cost"), scratch("cost-dumps", shm=True)
@@ -45,7 +57,10 @@ def measure(mib: int, rounds: int, codec: str) -> dict[str, Any]:
     try:
         tok = tokenizer_dir(work)
         dataset = token_rows(work / "rows.jsonl", lengths, SEED)
-        with synth_server(dumps, hidden, 1536) as synth, null_sink() as sink:
+        cert = self_signed_cert(work) if tls else None
+        if cert is not None:
+            os.environ["AWS_CA_BUNDLE"] = str(cert[0])
+        with synth_server(dumps, hidden, 1536) as synth, null_sink(cert) as sink:
             for r in range(rounds):
                 cfg = extract_config(f"c{r}", dataset, tok, synth.url, dumps, sink, "null", codec, 128 << 20)
                 before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
@@ -73,13 +88,13 @@ def measure(mib: int, rounds: int, codec: str) -> dict[str, Any]:
     }
 
 
-def in_process(checkout: Path, mib: int, rounds: int, codec: str) -> dict[str, Any]:
+def in_process(checkout: Path, mib: int, rounds: int, codec: str, tls: bool = False) -> dict[str, Any]:
     """:func:`measure` in a fresh process importing hsx_extractor from ``checkout`` (the benchmark's own
     helpers stay this checkout's)."""
     code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(checkout / 'extractor')!r}]; "
             f"from bench.extractor_cost import measure, RESULT; import hsx_extractor; "
             f"assert hsx_extractor.__file__.startswith({str(checkout)!r}), hsx_extractor.__file__; "
-            f"print(RESULT + json.dumps(measure({mib}, {rounds}, {codec!r})), flush=True)")
+            f"print(RESULT + json.dumps(measure({mib}, {rounds}, {codec!r}, {tls!r})), flush=True)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
     if done.returncode != 0 or not lines:
@@ -87,34 +102,55 @@ def in_process(checkout: Path, mib: int, rounds: int, codec: str) -> dict[str, A
     return json.loads(lines[-1][len(RESULT):])  # type: ignore[no-any-return]
 
 
+PROJECTED_GBPS = (1, 3, 6)
+
+
+def _summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"raw_bytes": rs[0]["raw_bytes"],
+            "core_s_per_gb": round(statistics.median(r["core_s_per_gb"] for r in rs), 3),
+            "MBps": round(statistics.median(r["MBps"] for r in rs)), "processes": rs}
+
+
 def run_extractor_cost(mib: int = 1024, rounds: int = 4, codec: str = "bf16-zstd", against: str | None = None,
-                       pairs: int = 2) -> dict[str, Any]:
+                       pairs: int = 2, tls: bool = False) -> dict[str, Any]:
     from bench.common import write_result
 
     result: dict[str, Any] = {
         "what": "hsx extract's own CPU per GB of hidden states into the null S3 sink, steady state",
         "command": f"python -m bench.extractor_cost --mib {mib} --rounds {rounds} --codec {codec}"
-                   + (f" --against {against} --pairs {pairs}" if against else ""),
+                   + (f" --against {against} --pairs {pairs}" if against else "")
+                   + (f" --tls --pairs {pairs}" if tls else ""),
         "codec": codec,
     }
-    if against is None:
+    if tls:
+        # The same checkout over HTTP and HTTPS, alternating: the difference is the TLS client's cost.
+        runs: dict[str, list[dict[str, Any]]] = {"http": [], "https": []}
+        for _ in range(pairs):
+            runs["http"].append(in_process(ROOT, mib, rounds, codec))
+            runs["https"].append(in_process(ROOT, mib, rounds, codec, tls=True))
+        result |= {name: _summary(rs) for name, rs in runs.items()}
+        result["https_over_http"] = round(result["https"]["core_s_per_gb"] / result["http"]["core_s_per_gb"], 3)
+        result["projected_cores_https"] = {
+            f"{gbps} GB/s": round(gbps * result["https"]["core_s_per_gb"], 1) for gbps in PROJECTED_GBPS
+        }
+    elif against is None:
         result["this"] = in_process(ROOT, mib, rounds, codec)
     else:
-        runs: dict[str, list[dict[str, Any]]] = {"this": [], "against": []}
+        runs = {"this": [], "against": []}
         for _ in range(pairs):
             runs["against"].append(in_process(Path(against).resolve(), mib, rounds, codec))
             runs["this"].append(in_process(ROOT, mib, rounds, codec))
-        for name, rs in runs.items():
-            result[name] = {"raw_bytes": rs[0]["raw_bytes"],
-                            "core_s_per_gb": round(statistics.median(r["core_s_per_gb"] for r in rs), 3),
-                            "MBps": round(statistics.median(r["MBps"] for r in rs)), "processes": rs}
+        result |= {name: _summary(rs) for name, rs in runs.items()}
         result["against_checkout"] = str(Path(against).resolve())
         result["this_over_against"] = round(result["this"]["core_s_per_gb"] / result["against"]["core_s_per_gb"], 3)
-    write_result("extractor_cost", result)
-    for name in ("this", "against"):
+    write_result("extractor_cost" + ("_tls" if tls else ""), result)
+    for name in ("this", "against", "http", "https"):
         if name in result:
             r = result[name]
             print(f"{name:8} {r['core_s_per_gb']:.2f} core-s/GB, {r['MBps']} MB/s", flush=True)
+    if tls:
+        cores = ", ".join(f"{k}: {v} cores" for k, v in result["projected_cores_https"].items())
+        print(f"projected over HTTPS (at this machine's per-core speed): {cores}", flush=True)
     return result
 
 
@@ -125,8 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--codec", default="bf16-zstd", choices=["none", "bf16-zstd", "fp8-e4m3"])
     ap.add_argument("--against", help="another hsx checkout (a git worktree) to measure side by side")
     ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--tls", action="store_true", help="measure over HTTP and HTTPS side by side instead")
     args = ap.parse_args(argv)
-    run_extractor_cost(args.mib, args.rounds, args.codec, args.against, args.pairs)
+    if args.tls and args.against:
+        ap.error("--tls and --against measure different things: give one")
+    run_extractor_cost(args.mib, args.rounds, args.codec, args.against, args.pairs, args.tls)
     return 0
 
 

@@ -4,7 +4,7 @@ probes) so a run can read them back, and only the size and ETag of larger ones (
 loudly). Conditional writes are honoured (`If-None-Match: *` on PutObject and CompleteMultipartUpload answers
 412 for an existing key), so hsx's store probe and exactly-once protocol run unchanged.
 
-    python -m bench.null_s3 [--port 0]     # prints "listening http://127.0.0.1:PORT", serves until killed
+    python -m bench.null_s3 [--port 0] [--tls-cert C --tls-key K]   # prints "listening http(s)://127.0.0.1:PORT"
 
 Bodies are read into one reused buffer per connection (plain and aws-chunked framing), nothing is hashed or
 checked; the upload checksum the client sent is echoed back as S3 does. Requests are not authenticated.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -267,9 +268,17 @@ def serve(port: int = 0) -> ThreadingHTTPServer:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.null_s3", description=__doc__)
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM) ...")
+    p.add_argument("--tls-key", help="... and this key (PEM)")
     args = p.parse_args(argv)
     server = serve(args.port)
-    print(f"listening http://127.0.0.1:{server.server_address[1]}", flush=True)
+    scheme = "http"
+    if args.tls_cert:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(args.tls_cert, args.tls_key)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+        scheme = "https"
+    print(f"listening {scheme}://127.0.0.1:{server.server_address[1]}", flush=True)
     server.serve_forever()
 
 
