@@ -75,6 +75,8 @@ def run_extract(cfg: dict[str, Any]) -> Any:
     code, result = asyncio.run(extract(ExtractConfig.model_validate(cfg)))
     if code != EXIT_OK or result is None or result.manifest is None:
         raise RuntimeError(f"hsx extract failed with exit {code}")
+    if result.manifest.get("quarantined"):  # a benchmark of quarantined rows measures nothing
+        raise RuntimeError(f"hsx extract quarantined {result.manifest['quarantined']} of the benchmark's rows")
     return result
 
 

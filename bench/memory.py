@@ -69,6 +69,9 @@ def run_memory(tokens: int = 2048, samples: int = 24, limit_mib: int = 1024, hid
             server_stats = synth.stats()
         if proc.returncode != 0:
             raise RuntimeError(f"hsx extract exited {proc.returncode}: {err[-2000:]}")
+        manifest = json.loads((work / "out" / "mem" / "manifest.json").read_text())
+        if manifest["samples"] != samples:  # a benchmark of quarantined rows measures nothing
+            raise RuntimeError(f"hsx extract stored {manifest['samples']} of {samples} samples: {err[-2000:]}")
         results = {
             "seed": SEED, "tokens_per_sample": tokens, "hidden": hidden, "num_aux": NUM_AUX, "samples": samples,
             "concurrency": concurrency, "bytes_per_dump": per_dump, "dump_dir_max_bytes": limit,
