@@ -1,7 +1,8 @@
 """The extractor's own CPU per GB of hidden states, end to end, in steady state; optionally against another
 checkout of hsx side by side (A/B of a change).
 
-    .venv/bin/python -m bench.extractor_cost [--mib 1024] [--rounds 4] [--codec bf16-zstd] [--against DIR | --tls] [--pairs 2]
+    .venv/bin/python -m bench.extractor_cost [--mib 1024] [--rounds 4] [--codec bf16-zstd] [--against DIR | --tls]
+        [--pairs 2] [--marginal]
 
 One process runs ``--rounds`` real ``hsx extract`` runs (run.runner.extract) of the same pre-tokenized
 dataset (H=4096, 3 aux layers, 768-1536 tokens per sample, as B1) against the synthetic server, into the
@@ -33,10 +34,28 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULT = "EXTRACTOR_COST "
 
 
-def measure(mib: int, rounds: int, codec: str, tls: bool = False) -> dict[str, Any]:
+def _rusage_round(cfg: dict[str, Any], nbytes: int) -> dict[str, float]:
+    """One run's CPU (user, system: seconds per GB of raw states) and rate."""
+    from bench.b1_dataplane import run_extract
+
+    before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    run_extract(cfg)
+    after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
+    gb = nbytes / 1e9
+    return {
+        "user": (after.ru_utime - before.ru_utime) / gb,
+        "sys": (after.ru_stime - before.ru_stime) / gb,
+        "MBps": nbytes / wall / 1e6,
+    }
+
+
+def measure(mib: int, rounds: int, codec: str, tls: bool = False, marginal: bool = False) -> dict[str, Any]:
     """``rounds`` extractions in this process (the checkout this module was imported from); with ``tls``
-    the sink serves HTTPS (a self-signed certificate the extractor trusts through AWS_CA_BUNDLE)."""
-    from bench.b1_dataplane import NUM_AUX, SEED, extract_config, run_extract, sample_lengths
+    the sink serves HTTPS (a self-signed certificate the extractor trusts through AWS_CA_BUNDLE). With
+    ``marginal`` each round after the first also runs a dataset 3x as long that starts with the same rows:
+    the difference between the two runs is the cost of the extra 2x, without what every run pays once
+    (start-up, fresh threads and their buffers), i.e. the cost per GB deep into a long run."""
+    from bench.b1_dataplane import NUM_AUX, SEED, extract_config, sample_lengths
     from bench.common import (
         null_sink,
         raw_bytes,
@@ -51,33 +70,35 @@ def measure(mib: int, rounds: int, codec: str, tls: bool = False) -> dict[str, A
     hidden = 4096
     work, dumps = scratch("cost"), scratch("cost-dumps", shm=True)
     lengths = sample_lengths(mib << 20, hidden, 768, 1536, SEED)
-    nbytes = raw_bytes(lengths, hidden, NUM_AUX)
+    long_lengths = sample_lengths(3 * mib << 20, hidden, 768, 1536, SEED)  # the same rng: the same first rows
+    nbytes, long_nbytes = raw_bytes(lengths, hidden, NUM_AUX), raw_bytes(long_lengths, hidden, NUM_AUX)
     os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"})
     out: list[dict[str, float]] = []
+    margins: list[dict[str, float]] = []
     try:
         tok = tokenizer_dir(work)
         dataset = token_rows(work / "rows.jsonl", lengths, SEED)
+        long_dataset = token_rows(work / "long.jsonl", long_lengths, SEED) if marginal else None
         cert = self_signed_cert(work) if tls else None
         if cert is not None:
             os.environ["AWS_CA_BUNDLE"] = str(cert[0])
         with synth_server(dumps, hidden, 1536) as synth, null_sink(cert) as sink:
             for r in range(rounds):
                 cfg = extract_config(f"c{r}", dataset, tok, synth.url, dumps, sink, "null", codec, 128 << 20)
-                before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-                run_extract(cfg)
-                after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
-                gb = nbytes / 1e9
-                out.append({
-                    "user": (after.ru_utime - before.ru_utime) / gb,
-                    "sys": (after.ru_stime - before.ru_stime) / gb,
-                    "MBps": nbytes / wall / 1e6,
-                })
+                out.append(_rusage_round(cfg, nbytes))
+                if long_dataset is not None and r > 0:
+                    cfg = extract_config(f"l{r}", long_dataset, tok, synth.url, dumps, sink, "null", codec, 128 << 20)
+                    long = _rusage_round(cfg, long_nbytes)
+                    extra = (long_nbytes - nbytes) / 1e9
+                    margins.append({
+                        k: (long[k] * long_nbytes / 1e9 - out[-1][k] * nbytes / 1e9) / extra for k in ("user", "sys")
+                    })
     finally:
         rmtree(work)
         rmtree(dumps)
     steady = out[1:] or out
     total = [r["user"] + r["sys"] for r in steady]
-    return {
+    result: dict[str, Any] = {
         "raw_bytes": nbytes,
         "rounds": out,
         "first_round_core_s_per_gb": round(out[0]["user"] + out[0]["sys"], 3),
@@ -86,15 +107,25 @@ def measure(mib: int, rounds: int, codec: str, tls: bool = False) -> dict[str, A
         "sys_core_s_per_gb": round(statistics.median(r["sys"] for r in steady), 3),
         "MBps": round(statistics.median(r["MBps"] for r in steady)),
     }
+    if margins:
+        result |= {
+            "marginal_rounds": margins,
+            "marginal_core_s_per_gb": round(statistics.median(m["user"] + m["sys"] for m in margins), 3),
+            "marginal_user_core_s_per_gb": round(statistics.median(m["user"] for m in margins), 3),
+            "marginal_sys_core_s_per_gb": round(statistics.median(m["sys"] for m in margins), 3),
+        }
+    return result
 
 
-def in_process(checkout: Path, mib: int, rounds: int, codec: str, tls: bool = False) -> dict[str, Any]:
+def in_process(
+    checkout: Path, mib: int, rounds: int, codec: str, tls: bool = False, marginal: bool = False
+) -> dict[str, Any]:
     """:func:`measure` in a fresh process importing hsx_extractor from ``checkout`` (the benchmark's own
     helpers stay this checkout's)."""
     code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(checkout / 'extractor')!r}]; "
             f"from bench.extractor_cost import measure, RESULT; import hsx_extractor; "
             f"assert hsx_extractor.__file__.startswith({str(checkout)!r}), hsx_extractor.__file__; "
-            f"print(RESULT + json.dumps(measure({mib}, {rounds}, {codec!r}, {tls!r})), flush=True)")
+            f"print(RESULT + json.dumps(measure({mib}, {rounds}, {codec!r}, {tls!r}, {marginal!r})), flush=True)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
     if done.returncode != 0 or not lines:
@@ -106,40 +137,42 @@ PROJECTED_GBPS = (1, 3, 6)
 
 
 def _summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"raw_bytes": rs[0]["raw_bytes"],
-            "core_s_per_gb": round(statistics.median(r["core_s_per_gb"] for r in rs), 3),
-            "MBps": round(statistics.median(r["MBps"] for r in rs)), "processes": rs}
+    out = {"raw_bytes": rs[0]["raw_bytes"],
+           "core_s_per_gb": round(statistics.median(r["core_s_per_gb"] for r in rs), 3),
+           "MBps": round(statistics.median(r["MBps"] for r in rs)), "processes": rs}
+    if all("marginal_core_s_per_gb" in r for r in rs):
+        out["marginal_core_s_per_gb"] = round(statistics.median(r["marginal_core_s_per_gb"] for r in rs), 3)
+    return out
 
 
 def run_extractor_cost(mib: int = 1024, rounds: int = 4, codec: str = "bf16-zstd", against: str | None = None,
-                       pairs: int = 2, tls: bool = False) -> dict[str, Any]:
+                       pairs: int = 2, tls: bool = False, marginal: bool = False) -> dict[str, Any]:
     from bench.common import write_result
 
     result: dict[str, Any] = {
         "what": "hsx extract's own CPU per GB of hidden states into the null S3 sink, steady state",
         "command": f"python -m bench.extractor_cost --mib {mib} --rounds {rounds} --codec {codec}"
                    + (f" --against {against} --pairs {pairs}" if against else "")
-                   + (f" --tls --pairs {pairs}" if tls else ""),
+                   + (f" --tls --pairs {pairs}" if tls else "") + (" --marginal" if marginal else ""),
         "codec": codec,
     }
     if tls:
         # The same checkout over HTTP and HTTPS, alternating: the difference is the TLS client's cost.
         runs: dict[str, list[dict[str, Any]]] = {"http": [], "https": []}
         for _ in range(pairs):
-            runs["http"].append(in_process(ROOT, mib, rounds, codec))
-            runs["https"].append(in_process(ROOT, mib, rounds, codec, tls=True))
+            runs["http"].append(in_process(ROOT, mib, rounds, codec, marginal=marginal))
+            runs["https"].append(in_process(ROOT, mib, rounds, codec, tls=True, marginal=marginal))
         result |= {name: _summary(rs) for name, rs in runs.items()}
         result["https_over_http"] = round(result["https"]["core_s_per_gb"] / result["http"]["core_s_per_gb"], 3)
-        result["projected_cores_https"] = {
-            f"{gbps} GB/s": round(gbps * result["https"]["core_s_per_gb"], 1) for gbps in PROJECTED_GBPS
-        }
+        per_gb = result["https"].get("marginal_core_s_per_gb", result["https"]["core_s_per_gb"])
+        result["projected_cores_https"] = {f"{gbps} GB/s": round(gbps * per_gb, 1) for gbps in PROJECTED_GBPS}
     elif against is None:
-        result["this"] = in_process(ROOT, mib, rounds, codec)
+        result["this"] = in_process(ROOT, mib, rounds, codec, marginal=marginal)
     else:
         runs = {"this": [], "against": []}
         for _ in range(pairs):
-            runs["against"].append(in_process(Path(against).resolve(), mib, rounds, codec))
-            runs["this"].append(in_process(ROOT, mib, rounds, codec))
+            runs["against"].append(in_process(Path(against).resolve(), mib, rounds, codec, marginal=marginal))
+            runs["this"].append(in_process(ROOT, mib, rounds, codec, marginal=marginal))
         result |= {name: _summary(rs) for name, rs in runs.items()}
         result["against_checkout"] = str(Path(against).resolve())
         result["this_over_against"] = round(result["this"]["core_s_per_gb"] / result["against"]["core_s_per_gb"], 3)
@@ -147,7 +180,8 @@ def run_extractor_cost(mib: int = 1024, rounds: int = 4, codec: str = "bf16-zstd
     for name in ("this", "against", "http", "https"):
         if name in result:
             r = result[name]
-            print(f"{name:8} {r['core_s_per_gb']:.2f} core-s/GB, {r['MBps']} MB/s", flush=True)
+            deep = f", {r['marginal_core_s_per_gb']:.2f} deep into a run" if "marginal_core_s_per_gb" in r else ""
+            print(f"{name:8} {r['core_s_per_gb']:.2f} core-s/GB per run{deep}, {r['MBps']} MB/s", flush=True)
     if tls:
         cores = ", ".join(f"{k}: {v} cores" for k, v in result["projected_cores_https"].items())
         print(f"projected over HTTPS (at this machine's per-core speed): {cores}", flush=True)
@@ -162,10 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against", help="another hsx checkout (a git worktree) to measure side by side")
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--tls", action="store_true", help="measure over HTTP and HTTPS side by side instead")
+    ap.add_argument("--marginal", action="store_true", help="also the cost per GB deep into a run (3x the bytes)")
     args = ap.parse_args(argv)
     if args.tls and args.against:
         ap.error("--tls and --against measure different things: give one")
-    run_extractor_cost(args.mib, args.rounds, args.codec, args.against, args.pairs, args.tls)
+    run_extractor_cost(args.mib, args.rounds, args.codec, args.against, args.pairs, args.tls, args.marginal)
     return 0
 
 
