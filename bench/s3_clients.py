@@ -7,7 +7,9 @@ Issue 17 item 3 asks whether a native client (AWS CRT, obstore) would cut the S3
 variant sends is one UploadPart per part, ``--threads`` at a time, the same bytes:
 
 - **botocore (hsx)**: ``client.upload_part`` as hsx's uploader calls it (hsx's client config, CRC32 passed
-  precomputed so botocore sends the body as it is);
+  precomputed, the body a ``bytearray``, which botocore hands to urllib3 as it is: one ``sendall``);
+- **botocore, bytes body**: the same call with ``bytes``, which botocore wraps in a ``BytesIO`` that urllib3
+  reads and sends 128 KiB at a time (a copy and a syscall each): what a caller passing ``bytes`` pays;
 - **http.client (no SDK)**: a plain HTTP PUT of the same body on a kept connection, nothing signed: the floor
   for a Python client (kernel socket work and the copy);
 - **awscrt S3Client**: a signed UploadPart request sent by the CRT's native HTTP client (``make_request``,
@@ -59,7 +61,13 @@ def variants(endpoint: str, body: bytes, upload_id: str) -> dict[str, Callable[[
     output = OutputSpec.model_validate({"uri": "s3://null", "endpoint": endpoint, "pathStyle": True})
     client = make_client(S3Endpoint.of(output), S3TransferConfig.from_output(output))
 
+    hsx_body = bytearray(body)  # hsx's part buffers are bytearrays (storage/s3.py part_body_buffer)
+
     def boto_part(number: int) -> None:
+        client.upload_part(Bucket="null", Key="b", UploadId=upload_id, PartNumber=number, Body=hsx_body,
+                           ChecksumCRC32=crc)
+
+    def boto_bytes_part(number: int) -> None:
         client.upload_part(Bucket="null", Key="b", UploadId=upload_id, PartNumber=number, Body=body, ChecksumCRC32=crc)
 
     host, port = endpoint.removeprefix("http://").split(":")
@@ -73,7 +81,9 @@ def variants(endpoint: str, body: bytes, upload_id: str) -> dict[str, Callable[[
                      headers={"Content-Length": str(len(body))})
         conn.getresponse().read()
 
-    found: dict[str, Callable[[int], None]] = {"botocore (hsx)": boto_part, "http.client (no SDK)": plain_part}
+    found: dict[str, Callable[[int], None]] = {
+        "botocore (hsx)": boto_part, "botocore, bytes body": boto_bytes_part, "http.client (no SDK)": plain_part,
+    }
     try:
         import awscrt.auth
         import awscrt.http
