@@ -39,7 +39,7 @@ def benchmarks() -> dict[str, Callable[[], dict[str, Any]]]:
         "tokenize": run_tokenize,
         "reader": lambda: run_reader([]),
         "first_request": run_first_request,
-        "extractor_cost": run_extractor_cost,
+        "extractor_cost": lambda: run_extractor_cost(tls=True, marginal=True),
         "s3_clients": run_s3_clients,
     }
 
@@ -92,6 +92,8 @@ def summary(results: dict[str, Any]) -> list[str]:
             for run, v in r["runs"].items():
                 row("hook writer", f"{run}: GB/s, core-s/GB",
                     f"{v['GBps']:.2f} {v['core_s_per_GB']:.2f}", "<= 0.6 c-s/GB")
+                if "paced" in run:
+                    row("", "  share of time the scheduler was blocked", f"{v['submit_blocked_share']:.0%}", "0%")
         elif name == "tokenize":
             low, high = r["server_tokens_per_s_assumed"]
             for case, c in r["cases"].items():
@@ -108,9 +110,12 @@ def summary(results: dict[str, Any]) -> list[str]:
             row("", "  the old pre-pass before it (x)",
                 f"{r['median_pre_pass_s']:.0f}s ({r['pre_pass_over_first_request']:.0f}x)")
         elif name == "extractor_cost":
-            r = r["this"]
-            row("extractor", f"{r['raw_bytes'] / 2**30:.0f} GiB runs into the null sink: core-s/GB (MB/s)",
-                f"{r['core_s_per_gb']:.2f} ({r['MBps']})", "<= 1.5")
+            for scheme in ("http", "https"):
+                v = r[scheme]
+                row("extractor", f"deep into a run, null sink over {scheme.upper()}: core-s/GB (MB/s)",
+                    f"{v['marginal_core_s_per_gb']:.2f} ({v['MBps']})", "<= 1.5")
+            cores = " / ".join(str(c) for c in r["projected_cores_https"].values())
+            row("", "  projected cores over HTTPS for 1 / 3 / 6 GB/s", cores)
         elif name == "s3_clients":
             for client, v in r["runs"].items():
                 row("S3 client", f"{client}: core-s/GB (MB/s)", f"{v['core_s_per_gb']:.2f} ({v['MBps']})")
