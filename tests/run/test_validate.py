@@ -91,6 +91,7 @@ def test_non_finite(tmp_path: Path, bits: int) -> None:
 def test_largest_finite_bf16_is_finite() -> None:
     assert count_non_finite(np.array([0x7F7F, 0xFF7F, 0x0001, 0x8000], np.uint16)) == 0
     assert count_non_finite(np.array([0x7F80, 0x7FFF, 0x1], np.uint16)) == 2
+    assert count_non_finite(np.array([0xFF80, 0xFFC1, 0xFF7F, 0x7FC0], np.uint16)) == 3  # -inf, -NaN, NaN
 
 
 def test_non_finite_count_is_the_same_across_chunk_edges() -> None:

@@ -14,8 +14,10 @@ import numpy as np
 from hsx_extractor.protocol import Dump
 from hsx_extractor.reasons import Reason
 
-# A bf16 value is Inf or NaN exactly when its 8 exponent bits are all ones.
-_BF16_EXPONENT = np.uint16(0x7F80)
+# A bf16 value is Inf or NaN exactly when its 8 exponent bits are all ones, i.e. when its bits without
+# the sign are at least 0x7F80.
+_BF16_NO_SIGN = np.uint16(0x7FFF)
+_BF16_FIRST_NON_FINITE = np.uint16(0x7F80)
 _CHUNK_VALUES = 1 << 18  # bench/stages.py: 64K chunks re-took the GIL too often (two threads slower than one)
 
 
@@ -36,15 +38,16 @@ def count_non_finite(bf16_bits: np.ndarray, chunk: int = _CHUNK_VALUES) -> int:
     flat = bf16_bits.reshape(-1)
     # Chunks with reused buffers stay in cache: ~15x faster than whole-array temporaries,
     # which cost two passes over fresh memory as large as the dump (bench/b1_dataplane.py).
+    # A chunk's maximum rules out the (rare) bad values in two passes instead of three: 0.10 -> 0.065
+    # core-s/GB; only a chunk that has one is counted.
     masked = np.empty(min(chunk, flat.size), dtype=np.uint16)
-    hits = np.empty(masked.size, dtype=bool)
     count = 0
     for start in range(0, flat.size, chunk):
         part = flat[start : start + chunk]
-        m, h = masked[: part.size], hits[: part.size]
-        np.bitwise_and(part, _BF16_EXPONENT, out=m)
-        np.equal(m, _BF16_EXPONENT, out=h)
-        count += int(np.count_nonzero(h))
+        m = masked[: part.size]
+        np.bitwise_and(part, _BF16_NO_SIGN, out=m)
+        if m.size and m.max() >= _BF16_FIRST_NON_FINITE:
+            count += int(np.count_nonzero(m >= _BF16_FIRST_NON_FINITE))
     return count
 
 
