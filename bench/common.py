@@ -98,25 +98,35 @@ def synth_server(dump_dir: Path, hidden: int, pool_rows: int, *extra: str) -> It
             proc.wait()
 
 
-def self_signed_cert(directory: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 and its key, made with the openssl CLI (the client trusts the
-    certificate itself, e.g. through ``AWS_CA_BUNDLE``)."""
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )
-    return cert, key
+@dataclass(frozen=True)
+class TlsFiles:
+    """A serving certificate for 127.0.0.1, its key, and the CA that signed it (what a client trusts)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
+def tls_files(directory: Path) -> TlsFiles:
+    """Made with the test ground's throwaway CA (tests/ground/pki.py)."""
+    from tests.ground.pki import CertificateAuthority
+
+    ca = CertificateAuthority("hsx-bench-ca")
+    pair = ca.issue("127.0.0.1", ip_addresses=["127.0.0.1"], server=True)
+    files = TlsFiles(directory / "cert.pem", directory / "key.pem", directory / "ca.pem")
+    files.cert.write_bytes(pair.cert_pem)
+    files.key.write_bytes(pair.key_pem)
+    files.ca.write_bytes(ca.cert_pem)
+    return files
 
 
 @contextlib.contextmanager
-def null_sink(tls: tuple[Path, Path] | None = None) -> Iterator[str]:
+def null_sink(tls: TlsFiles | None = None) -> Iterator[str]:
     """``python -m bench.null_s3`` on a free 127.0.0.1 port (its endpoint URL); stopped on exit.
-    With ``tls`` (certificate, key) it serves HTTPS."""
+    With ``tls`` it serves HTTPS."""
     cmd = [sys.executable, "-m", "bench.null_s3"]
     if tls is not None:
-        cmd += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
+        cmd += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

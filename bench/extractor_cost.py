@@ -51,7 +51,7 @@ def _rusage_round(cfg: dict[str, Any], nbytes: int) -> dict[str, float]:
 
 def measure(mib: int, rounds: int, codec: str, tls: bool = False, marginal: bool = False) -> dict[str, Any]:
     """``rounds`` extractions in this process (the checkout this module was imported from); with ``tls``
-    the sink serves HTTPS (a self-signed certificate the extractor trusts through AWS_CA_BUNDLE). With
+    the sink serves HTTPS (a throwaway CA's certificate, which the extractor trusts through AWS_CA_BUNDLE). With
     ``marginal`` each round after the first also runs a dataset 3x as long that starts with the same rows:
     the difference between the two runs is the cost of the extra 2x, without what every run pays once
     (start-up, fresh threads and their buffers), i.e. the cost per GB deep into a long run."""
@@ -61,8 +61,8 @@ def measure(mib: int, rounds: int, codec: str, tls: bool = False, marginal: bool
         raw_bytes,
         rmtree,
         scratch,
-        self_signed_cert,
         synth_server,
+        tls_files,
         token_rows,
         tokenizer_dir,
     )
@@ -79,10 +79,10 @@ def measure(mib: int, rounds: int, codec: str, tls: bool = False, marginal: bool
         tok = tokenizer_dir(work)
         dataset = token_rows(work / "rows.jsonl", lengths, SEED)
         long_dataset = token_rows(work / "long.jsonl", long_lengths, SEED) if marginal else None
-        cert = self_signed_cert(work) if tls else None
-        if cert is not None:
-            os.environ["AWS_CA_BUNDLE"] = str(cert[0])
-        with synth_server(dumps, hidden, 1536) as synth, null_sink(cert) as sink:
+        certs = tls_files(work) if tls else None
+        if certs is not None:
+            os.environ["AWS_CA_BUNDLE"] = str(certs.ca)
+        with synth_server(dumps, hidden, 1536) as synth, null_sink(certs) as sink:
             for r in range(rounds):
                 cfg = extract_config(f"c{r}", dataset, tok, synth.url, dumps, sink, "null", codec, 128 << 20)
                 out.append(_rusage_round(cfg, nbytes))
