@@ -12,6 +12,7 @@ every shard whose rows changed is named.
 
 from __future__ import annotations
 
+import functools
 import json
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -108,7 +109,11 @@ class ShardPlan:
         start, stop = self.shards[shard]
         if not self.digests:
             return ShardCut(shard, start, stop)
-        return ShardCut(shard, start, stop, self.lines[shard], self.digests[shard], identity_digest(self.identity))
+        return ShardCut(shard, start, stop, self.lines[shard], self.digests[shard], self.identity_digest)
+
+    @functools.cached_property
+    def identity_digest(self) -> str:
+        return identity_digest(self.identity)
 
     def planned(self) -> list[tuple[int, int, int]]:
         """``(shard index, start, stop)`` of every shard, as the store's finalize takes them."""
@@ -265,6 +270,7 @@ class Planner:
         line_digests: Mapping[int, int] | None = None,
     ) -> None:
         self.identity = identity
+        self._identity_digest = identity_digest(identity)
         self.num_aux = num_aux
         self.hidden_size = hidden_size
         self.line_digests = line_digests
@@ -302,7 +308,7 @@ class Planner:
             lines = (self._first_line, last_line)
             digest = shard_digests([lines], self.line_digests)[0]
         self._first_line = None
-        cut = ShardCut(shard, start, stop, lines, digest, identity_digest(self.identity) if digest else None)
+        cut = ShardCut(shard, start, stop, lines, digest, self._identity_digest if digest else None)
         self._cuts.append(cut)
         return cut
 
