@@ -11,7 +11,7 @@ from hsx_extractor.reasons import Reason
 from hsx_extractor.run.consistency import Consistency
 from hsx_extractor.run.dataset import Prepared, Rejected, dataset_endpoint, read_samples
 from hsx_extractor.run.engine import ReaderEvent, ShardResumed, ShardRow
-from hsx_extractor.run.plan import ShardCut, ShardPlan
+from hsx_extractor.run.plan import ShardCut, ShardPlan, replica_owns
 from hsx_extractor.run.planning import PlanAhead, PlanStopped
 from hsx_extractor.run.sources import iter_rows
 from hsx_extractor.run.tokens import ChatTokenizer
@@ -21,8 +21,8 @@ Reader = Callable[[Callable[[ReaderEvent], None]], None]
 
 
 def owned_by(cfg: ExtractConfig) -> Callable[[int], bool]:
-    """Whether shard k is this replica's: k % replicaCount == replicaIndex (as plan.replica_shards)."""
-    return lambda shard: shard % cfg.replicaCount == cfg.replicaIndex
+    """Whether shard k is this replica's (plan.replica_owns)."""
+    return lambda shard: replica_owns(shard, cfg.replicaIndex, cfg.replicaCount)
 
 
 def routed(item: Prepared | Rejected, duplicate: bool, shard: int, consistency: Consistency | None) -> ShardRow:
