@@ -8,6 +8,7 @@ Python under the GIL, ~3 GIL-seconds per GB (issue 17)."""
 from __future__ import annotations
 
 import base64
+import ctypes
 import threading
 import zlib
 from typing import Any
@@ -75,15 +76,31 @@ def test_without_a_precomputed_crc32_botocore_would_frame_the_body(operation: st
     assert "aws-chunked" in str(request.headers.get("Content-Encoding", b""))
 
 
+def _address(buffer: bytearray) -> int:
+    view = (ctypes.c_char * 1).from_buffer(buffer)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view  # an exported buffer cannot be resized
+
+
 def test_part_bodies_reuse_one_buffer_per_thread() -> None:
-    """Each part thread fills the same buffer for every full-size part (no fresh zero-filled pages per
-    part); a shard's shorter last part gets a buffer of its own, and a larger part size replaces it."""
+    """Each part thread fills the same memory for every part of an upload (no fresh zero-filled pages per
+    part): a last part a few bytes shorter, and the next upload's slightly larger parts, resize it in place."""
     full = part_body_buffer(1 << 16)
+    where, allocated = _address(full), full.__alloc__()
     assert part_body_buffer(1 << 16) is full and len(full) == 1 << 16
-    last = part_body_buffer(1000)
-    assert last is not full and len(last) == 1000 and part_body_buffer(1 << 16) is full
-    bigger = part_body_buffer(1 << 17)
-    assert bigger is not full and part_body_buffer(1 << 17) is bigger
+    assert part_body_buffer((1 << 16) + 999) is full  # the next shard's parts are a bit larger
+    last = part_body_buffer((1 << 16) - 7)
+    assert last is full and len(last) == (1 << 16) - 7
+    again = part_body_buffer(1 << 16)
+    assert again is full and len(again) == 1 << 16
+    assert part_body_buffer(3 << 14) is full and len(full) == 3 << 14
+    assert (_address(full), full.__alloc__()) == (where, allocated)  # never moved nor reallocated
+    smaller = part_body_buffer(1000)  # under half of it: resizing in place would reallocate
+    assert smaller is not full and len(smaller) == 1000
+    bigger = part_body_buffer(1 << 17)  # over the allocation of the one kept
+    assert bigger is not smaller and len(bigger) == 1 << 17 and part_body_buffer(1 << 17) is bigger
     elsewhere: list[bytearray] = []
     thread = threading.Thread(target=lambda: elsewhere.append(part_body_buffer(1 << 17)))
     thread.start()

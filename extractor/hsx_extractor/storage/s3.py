@@ -47,9 +47,13 @@ MIN_PART_BYTES = 5 << 20  # S3's smallest part but the last
 
 def part_size_for(size: int, config: S3TransferConfig) -> int:
     """At most ``config.part_size``, and small enough that one object alone keeps every
-    connection busy: the last shard of a run is uploaded with nothing else to overlap it."""
-    even_split = -(-size // config.concurrency)
-    return max(MIN_PART_BYTES, min(config.part_size, even_split))
+    connection busy: the last shard of a run is uploaded with nothing else to overlap it.
+    The parts are as equal as that allows (the last is short by at most one byte per part), so
+    one buffer per part thread fits every part of an upload without being reallocated."""
+    largest = max(MIN_PART_BYTES, min(config.part_size, -(-size // config.concurrency)))
+    count = -(-size // largest)
+    even = -(-size // count)
+    return even if even >= MIN_PART_BYTES else largest
 
 
 class MultipartUploader:
@@ -212,19 +216,26 @@ class MultipartUploader:
 
 
 _part_buffers = threading.local()
+PART_BUFFER_HEADROOM = 8  # a new part buffer is allocated 1/8 larger than its first part
 
 
 def part_body_buffer(length: int) -> bytearray:
-    """This part thread's body buffer, reused from part to part: a fresh zero-filled buffer per part cost
-    a page fault per 4 KiB (a large share of the extractor's CPU, issue 17). A part is sent and
+    """This part thread's body buffer, reused from part to part. A fresh buffer per part is zero-filled
+    and page-faulted under the GIL: the part threads held it 0.28 s per GB, half of all the GIL the
+    extractor held (bench/gil.py). Parts of an upload differ by a few bytes (part_size_for), and a
+    bytearray shrinks and grows in place while it stays between half its allocation and all of it, so
+    only a part outside that range gets a new buffer (then kept, with room to grow). A part is sent and
     answered (retries included) before its thread takes the next, so the buffer is free again."""
     buffer: bytearray | None = getattr(_part_buffers, "buffer", None)
-    if buffer is not None and len(buffer) == length:
-        return buffer
-    if buffer is None or length > len(buffer):  # kept: the part size (a shard's last part is shorter)
-        _part_buffers.buffer = bytearray(length)
-        return _part_buffers.buffer  # type: ignore[no-any-return]
-    return bytearray(length)
+    if buffer is None or not buffer.__alloc__() // 2 <= length < buffer.__alloc__():
+        # Room for the next shards' parts, a few percent larger: shrunk to size, it keeps its allocation.
+        buffer = _part_buffers.buffer = bytearray(length + length // PART_BUFFER_HEADROOM)
+        del buffer[length:]
+    elif length < len(buffer):
+        del buffer[length:]
+    elif length > len(buffer):
+        buffer.extend(bytes(length - len(buffer)))
+    return buffer
 
 
 def crc32_header(body: bytes | bytearray | memoryview) -> str:
