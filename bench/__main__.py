@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in one go, then a one-screen summary (results in bench/results/).
 
-    .venv/bin/python -m bench [--only b1,b2,b3,b4,memory,hook_writer,tokenize,reader,first_request,extractor_cost,s3_clients]
+    .venv/bin/python -m bench [--only b1,b2,b3,b4,memory,hook_writer,tokenize,reader,first_request,extractor_cost,gil,s3_clients]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ def benchmarks() -> dict[str, Callable[[], dict[str, Any]]]:
     from bench.b4_operator import run_b4
     from bench.extractor_cost import run_extractor_cost
     from bench.first_request import run_first_request
+    from bench.gil import run_gil
     from bench.hook_writer import run_hook_writer
     from bench.memory import run_memory
     from bench.reader import main as run_reader
@@ -40,6 +41,7 @@ def benchmarks() -> dict[str, Callable[[], dict[str, Any]]]:
         "reader": lambda: run_reader([]),
         "first_request": run_first_request,
         "extractor_cost": lambda: run_extractor_cost(tls=True, marginal=True),
+        "gil": run_gil,
         "s3_clients": run_s3_clients,
     }
 
@@ -116,6 +118,13 @@ def summary(results: dict[str, Any]) -> list[str]:
                     f"{v['marginal_core_s_per_gb']:.2f} ({v['MBps']})", "<= 1.5")
             cores = " / ".join(str(c) for c in r["projected_cores_https"].values())
             row("", "  projected cores over HTTPS for 1 / 3 / 6 GB/s", cores)
+        elif name == "gil":
+            if "not_measured" in r:
+                row("GIL", f"not measured: {r['not_measured']}", "-")
+            else:
+                row("GIL", "held by the extractor per GB deep into a run (on a CPU)",
+                    f"{r['held_s_per_gb']:.2f}s ({r['held_on_cpu_s_per_gb']:.2f}s)")
+                row("", "  one interpreter's ceiling (1 / GIL-s per GB)", f"{r['ceiling_GBps']:.1f} GB/s", ">= 3 GB/s")
         elif name == "s3_clients":
             for client, v in r["runs"].items():
                 row("S3 client", f"{client}: core-s/GB (MB/s)", f"{v['core_s_per_gb']:.2f} ({v['MBps']})")
@@ -132,7 +141,7 @@ def summary(results: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="run hsx's benchmarks")
-    p.add_argument("--only", default="b1,b2,b3,b4,memory,hook_writer,tokenize,reader,first_request,extractor_cost,s3_clients", help="comma-separated subset")
+    p.add_argument("--only", default="b1,b2,b3,b4,memory,hook_writer,tokenize,reader,first_request,extractor_cost,gil,s3_clients", help="comma-separated subset")
     args = p.parse_args(argv)
     table = benchmarks()
     wanted = [n.strip() for n in args.only.split(",") if n.strip()]

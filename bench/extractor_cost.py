@@ -49,12 +49,15 @@ def _rusage_round(cfg: dict[str, Any], nbytes: int) -> dict[str, float]:
     }
 
 
-def measure(mib: int, rounds: int, codec: str, tls: bool = False, marginal: bool = False) -> dict[str, Any]:
+def measure(
+    mib: int, rounds: int, codec: str, tls: bool = False, marginal: bool = False, shard_mib: int = 128
+) -> dict[str, Any]:
     """``rounds`` extractions in this process (the checkout this module was imported from); with ``tls``
     the sink serves HTTPS (a throwaway CA's certificate, which the extractor trusts through AWS_CA_BUNDLE). With
     ``marginal`` each round after the first also runs a dataset 3x as long that starts with the same rows:
     the difference between the two runs is the cost of the extra 2x, without what every run pays once
-    (start-up, fresh threads and their buffers), i.e. the cost per GB deep into a long run."""
+    (start-up, fresh threads and their buffers), i.e. the cost per GB deep into a long run. ``shard_mib`` is
+    the shards' target size (B1's 128 MiB by default; the product's default is 1024)."""
     from bench.b1_dataplane import NUM_AUX, SEED, extract_config, sample_lengths
     from bench.common import (
         null_sink,
@@ -84,10 +87,10 @@ def measure(mib: int, rounds: int, codec: str, tls: bool = False, marginal: bool
             os.environ["AWS_CA_BUNDLE"] = str(certs.ca)
         with synth_server(dumps, hidden, 1536) as synth, null_sink(certs) as sink:
             for r in range(rounds):
-                cfg = extract_config(f"c{r}", dataset, tok, synth.url, dumps, sink, "null", codec, 128 << 20)
+                cfg = extract_config(f"c{r}", dataset, tok, synth.url, dumps, sink, "null", codec, shard_mib << 20)
                 out.append(_rusage_round(cfg, nbytes))
                 if long_dataset is not None and r > 0:
-                    cfg = extract_config(f"l{r}", long_dataset, tok, synth.url, dumps, sink, "null", codec, 128 << 20)
+                    cfg = extract_config(f"l{r}", long_dataset, tok, synth.url, dumps, sink, "null", codec, shard_mib << 20)
                     long = _rusage_round(cfg, long_nbytes)
                     extra = (long_nbytes - nbytes) / 1e9
                     margins.append({
@@ -118,14 +121,14 @@ def measure(mib: int, rounds: int, codec: str, tls: bool = False, marginal: bool
 
 
 def in_process(
-    checkout: Path, mib: int, rounds: int, codec: str, tls: bool = False, marginal: bool = False
+    checkout: Path, mib: int, rounds: int, codec: str, tls: bool = False, marginal: bool = False, shard_mib: int = 128
 ) -> dict[str, Any]:
     """:func:`measure` in a fresh process importing hsx_extractor from ``checkout`` (the benchmark's own
     helpers stay this checkout's)."""
     code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(checkout / 'extractor')!r}]; "
             f"from bench.extractor_cost import measure, RESULT; import hsx_extractor; "
             f"assert hsx_extractor.__file__.startswith({str(checkout)!r}), hsx_extractor.__file__; "
-            f"print(RESULT + json.dumps(measure({mib}, {rounds}, {codec!r}, {tls!r}, {marginal!r})), flush=True)")
+            f"print(RESULT + json.dumps(measure({mib}, {rounds}, {codec!r}, {tls!r}, {marginal!r}, {shard_mib})), flush=True)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
     if done.returncode != 0 or not lines:
@@ -146,33 +149,36 @@ def _summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_extractor_cost(mib: int = 1024, rounds: int = 4, codec: str = "bf16-zstd", against: str | None = None,
-                       pairs: int = 2, tls: bool = False, marginal: bool = False) -> dict[str, Any]:
+                       pairs: int = 2, tls: bool = False, marginal: bool = False,
+                       shard_mib: int = 128) -> dict[str, Any]:
     from bench.common import write_result
 
     result: dict[str, Any] = {
         "what": "hsx extract's own CPU per GB of hidden states into the null S3 sink, steady state",
         "command": f"python -m bench.extractor_cost --mib {mib} --rounds {rounds} --codec {codec}"
                    + (f" --against {against} --pairs {pairs}" if against else "")
-                   + (f" --tls --pairs {pairs}" if tls else "") + (" --marginal" if marginal else ""),
+                   + (f" --tls --pairs {pairs}" if tls else "") + (" --marginal" if marginal else "")
+                   + (f" --shard-mib {shard_mib}" if shard_mib != 128 else ""),
         "codec": codec,
     }
     if tls:
         # The same checkout over HTTP and HTTPS, alternating: the difference is the TLS client's cost.
         runs: dict[str, list[dict[str, Any]]] = {"http": [], "https": []}
         for _ in range(pairs):
-            runs["http"].append(in_process(ROOT, mib, rounds, codec, marginal=marginal))
-            runs["https"].append(in_process(ROOT, mib, rounds, codec, tls=True, marginal=marginal))
+            runs["http"].append(in_process(ROOT, mib, rounds, codec, marginal=marginal, shard_mib=shard_mib))
+            runs["https"].append(in_process(ROOT, mib, rounds, codec, tls=True, marginal=marginal, shard_mib=shard_mib))
         result |= {name: _summary(rs) for name, rs in runs.items()}
         result["https_over_http"] = round(result["https"]["core_s_per_gb"] / result["http"]["core_s_per_gb"], 3)
         per_gb = result["https"].get("marginal_core_s_per_gb", result["https"]["core_s_per_gb"])
         result["projected_cores_https"] = {f"{gbps} GB/s": round(gbps * per_gb, 1) for gbps in PROJECTED_GBPS}
     elif against is None:
-        result["this"] = in_process(ROOT, mib, rounds, codec, marginal=marginal)
+        result["this"] = in_process(ROOT, mib, rounds, codec, marginal=marginal, shard_mib=shard_mib)
     else:
         runs = {"this": [], "against": []}
         for _ in range(pairs):
-            runs["against"].append(in_process(Path(against).resolve(), mib, rounds, codec, marginal=marginal))
-            runs["this"].append(in_process(ROOT, mib, rounds, codec, marginal=marginal))
+            runs["against"].append(in_process(Path(against).resolve(), mib, rounds, codec, marginal=marginal,
+                                              shard_mib=shard_mib))
+            runs["this"].append(in_process(ROOT, mib, rounds, codec, marginal=marginal, shard_mib=shard_mib))
         result |= {name: _summary(rs) for name, rs in runs.items()}
         result["against_checkout"] = str(Path(against).resolve())
         result["this_over_against"] = round(result["this"]["core_s_per_gb"] / result["against"]["core_s_per_gb"], 3)
@@ -197,10 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--tls", action="store_true", help="measure over HTTP and HTTPS side by side instead")
     ap.add_argument("--marginal", action="store_true", help="also the cost per GB deep into a run (3x the bytes)")
+    ap.add_argument("--shard-mib", type=int, default=128, help="shardTargetBytes in MiB (B1's 128; the default is 1024)")
     args = ap.parse_args(argv)
     if args.tls and args.against:
         ap.error("--tls and --against measure different things: give one")
-    run_extractor_cost(args.mib, args.rounds, args.codec, args.against, args.pairs, args.tls, args.marginal)
+    run_extractor_cost(args.mib, args.rounds, args.codec, args.against, args.pairs, args.tls, args.marginal,
+                       args.shard_mib)
     return 0
 
 
