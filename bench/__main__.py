@@ -40,7 +40,7 @@ def benchmarks() -> dict[str, Callable[[], dict[str, Any]]]:
         "tokenize": run_tokenize,
         "reader": lambda: run_reader([]),
         "first_request": run_first_request,
-        "extractor_cost": lambda: run_extractor_cost(tls=True, marginal=True),
+        "extractor_cost": lambda: run_extractor_cost(mib=3072, tls=True, marginal=True, shard_mib=1024),
         "gil": run_gil,
         "s3_clients": run_s3_clients,
     }
