@@ -20,6 +20,7 @@ and over HTTPS, alternating (bench/results/extractor_cost_tls.json), and project
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -27,11 +28,74 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT
+
 RESULT = "EXTRACTOR_COST "
+B1_SHARD_MIB = 128  # B1's shards (the product's default shardTargetBytes is 1 GiB)
+HIDDEN = 4096
+
+
+@dataclass(frozen=True)
+class Workload:
+    """B1's pre-tokenized rows (and, for a marginal measure, rows 3x as long that start with the same rows),
+    the synthetic server and the null S3 sink: what bench/extractor_cost.py and bench/gil.py run hsx extract on."""
+
+    rows: Path
+    long_rows: Path | None
+    raw_bytes: int
+    long_raw_bytes: int
+    tokenizer: Path
+    server_url: str
+    dumps: Path
+    sink: str
+    work: Path  # scratch space, removed with the rest
+
+    def config(self, run_id: str, rows: Path, codec: str, shard_mib: int) -> dict[str, Any]:
+        from bench.b1_dataplane import extract_config
+
+        return extract_config(run_id, rows, self.tokenizer, self.server_url, self.dumps, self.sink, "null", codec,
+                              shard_mib << 20)
+
+
+@contextlib.contextmanager
+def workload(name: str, mib: int, marginal: bool, tls: bool = False) -> Iterator[Workload]:
+    """Rows of ``mib`` MiB of hidden states (H=4096, 3 aux layers, 768-1536 tokens per sample, as B1), served
+    and sunk by local processes, removed on exit. With ``tls`` the sink serves HTTPS (a throwaway CA's
+    certificate, which the extractor trusts through AWS_CA_BUNDLE)."""
+    from bench.b1_dataplane import NUM_AUX, SEED, sample_lengths
+    from bench.common import (
+        null_sink,
+        raw_bytes,
+        rmtree,
+        scratch,
+        synth_server,
+        tls_files,
+        token_rows,
+        tokenizer_dir,
+    )
+
+    work, dumps = scratch(name), scratch(f"{name}-dumps", shm=True)
+    lengths = sample_lengths(mib << 20, HIDDEN, 768, 1536, SEED)
+    long_lengths = sample_lengths(3 * mib << 20, HIDDEN, 768, 1536, SEED)  # the same rng: the same first rows
+    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"})
+    try:
+        tok = tokenizer_dir(work)
+        rows = token_rows(work / "rows.jsonl", lengths, SEED)
+        long_rows = token_rows(work / "long.jsonl", long_lengths, SEED) if marginal else None
+        certs = tls_files(work) if tls else None
+        if certs is not None:
+            os.environ["AWS_CA_BUNDLE"] = str(certs.ca)
+        with synth_server(dumps, HIDDEN, 1536) as synth, null_sink(certs) as sink:
+            yield Workload(rows, long_rows, raw_bytes(lengths, HIDDEN, NUM_AUX), raw_bytes(long_lengths, HIDDEN, NUM_AUX),
+                           tok, synth.url, dumps, sink, work)
+    finally:
+        rmtree(work)
+        rmtree(dumps)
 
 
 def _rusage_round(cfg: dict[str, Any], nbytes: int) -> dict[str, float]:
@@ -50,55 +114,26 @@ def _rusage_round(cfg: dict[str, Any], nbytes: int) -> dict[str, float]:
 
 
 def measure(
-    mib: int, rounds: int, codec: str, tls: bool = False, marginal: bool = False, shard_mib: int = 128
+    mib: int, rounds: int, codec: str, tls: bool = False, marginal: bool = False, shard_mib: int = B1_SHARD_MIB
 ) -> dict[str, Any]:
     """``rounds`` extractions in this process (the checkout this module was imported from); with ``tls``
     the sink serves HTTPS (a throwaway CA's certificate, which the extractor trusts through AWS_CA_BUNDLE). With
     ``marginal`` each round after the first also runs a dataset 3x as long that starts with the same rows:
     the difference between the two runs is the cost of the extra 2x, without what every run pays once
     (start-up, fresh threads and their buffers), i.e. the cost per GB deep into a long run. ``shard_mib`` is
-    the shards' target size (B1's 128 MiB by default; the product's default is 1024)."""
-    from bench.b1_dataplane import NUM_AUX, SEED, extract_config, sample_lengths
-    from bench.common import (
-        null_sink,
-        raw_bytes,
-        rmtree,
-        scratch,
-        synth_server,
-        tls_files,
-        token_rows,
-        tokenizer_dir,
-    )
-
-    hidden = 4096
-    work, dumps = scratch("cost"), scratch("cost-dumps", shm=True)
-    lengths = sample_lengths(mib << 20, hidden, 768, 1536, SEED)
-    long_lengths = sample_lengths(3 * mib << 20, hidden, 768, 1536, SEED)  # the same rng: the same first rows
-    nbytes, long_nbytes = raw_bytes(lengths, hidden, NUM_AUX), raw_bytes(long_lengths, hidden, NUM_AUX)
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"})
+    the shards' target size (B1's by default)."""
     out: list[dict[str, float]] = []
     margins: list[dict[str, float]] = []
-    try:
-        tok = tokenizer_dir(work)
-        dataset = token_rows(work / "rows.jsonl", lengths, SEED)
-        long_dataset = token_rows(work / "long.jsonl", long_lengths, SEED) if marginal else None
-        certs = tls_files(work) if tls else None
-        if certs is not None:
-            os.environ["AWS_CA_BUNDLE"] = str(certs.ca)
-        with synth_server(dumps, hidden, 1536) as synth, null_sink(certs) as sink:
-            for r in range(rounds):
-                cfg = extract_config(f"c{r}", dataset, tok, synth.url, dumps, sink, "null", codec, shard_mib << 20)
-                out.append(_rusage_round(cfg, nbytes))
-                if long_dataset is not None and r > 0:
-                    cfg = extract_config(f"l{r}", long_dataset, tok, synth.url, dumps, sink, "null", codec, shard_mib << 20)
-                    long = _rusage_round(cfg, long_nbytes)
-                    extra = (long_nbytes - nbytes) / 1e9
-                    margins.append({
-                        k: (long[k] * long_nbytes / 1e9 - out[-1][k] * nbytes / 1e9) / extra for k in ("user", "sys")
-                    })
-    finally:
-        rmtree(work)
-        rmtree(dumps)
+    with workload("cost", mib, marginal, tls) as w:
+        nbytes, long_nbytes = w.raw_bytes, w.long_raw_bytes
+        for r in range(rounds):
+            out.append(_rusage_round(w.config(f"c{r}", w.rows, codec, shard_mib), nbytes))
+            if w.long_rows is not None and r > 0:
+                long = _rusage_round(w.config(f"l{r}", w.long_rows, codec, shard_mib), long_nbytes)
+                extra = (long_nbytes - nbytes) / 1e9
+                margins.append({
+                    k: (long[k] * long_nbytes / 1e9 - out[-1][k] * nbytes / 1e9) / extra for k in ("user", "sys")
+                })
     steady = out[1:] or out
     total = [r["user"] + r["sys"] for r in steady]
     result: dict[str, Any] = {
@@ -121,7 +156,7 @@ def measure(
 
 
 def in_process(
-    checkout: Path, mib: int, rounds: int, codec: str, tls: bool = False, marginal: bool = False, shard_mib: int = 128
+    checkout: Path, mib: int, rounds: int, codec: str, tls: bool = False, marginal: bool = False, shard_mib: int = B1_SHARD_MIB
 ) -> dict[str, Any]:
     """:func:`measure` in a fresh process importing hsx_extractor from ``checkout`` (the benchmark's own
     helpers stay this checkout's)."""
@@ -150,7 +185,7 @@ def _summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_extractor_cost(mib: int = 1024, rounds: int = 4, codec: str = "bf16-zstd", against: str | None = None,
                        pairs: int = 2, tls: bool = False, marginal: bool = False,
-                       shard_mib: int = 128) -> dict[str, Any]:
+                       shard_mib: int = B1_SHARD_MIB) -> dict[str, Any]:
     from bench.common import write_result
 
     result: dict[str, Any] = {
@@ -158,7 +193,7 @@ def run_extractor_cost(mib: int = 1024, rounds: int = 4, codec: str = "bf16-zstd
         "command": f"python -m bench.extractor_cost --mib {mib} --rounds {rounds} --codec {codec}"
                    + (f" --against {against} --pairs {pairs}" if against else "")
                    + (f" --tls --pairs {pairs}" if tls else "") + (" --marginal" if marginal else "")
-                   + (f" --shard-mib {shard_mib}" if shard_mib != 128 else ""),
+                   + (f" --shard-mib {shard_mib}" if shard_mib != B1_SHARD_MIB else ""),
         "codec": codec,
     }
     if tls:
@@ -203,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--tls", action="store_true", help="measure over HTTP and HTTPS side by side instead")
     ap.add_argument("--marginal", action="store_true", help="also the cost per GB deep into a run (3x the bytes)")
-    ap.add_argument("--shard-mib", type=int, default=128, help="shardTargetBytes in MiB (B1's 128; the default is 1024)")
+    ap.add_argument("--shard-mib", type=int, default=B1_SHARD_MIB,
+                    help="shardTargetBytes in MiB (B1's 128; the product's default is 1024)")
     args = ap.parse_args(argv)
     if args.tls and args.against:
         ap.error("--tls and --against measure different things: give one")

@@ -39,11 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT
+from bench.extractor_cost import PROJECTED_GBPS
+
 PROBE_GROUP = "hsx_gil"
 # perf names a return probe "<name>__return".
 TAKE, DROP = "take__return", "drop"
-PROJECTED_GBPS = (1, 3, 6)
 PERF_SETTLE_S = 2.0  # perf record -a has its probes in place by then
 
 
@@ -206,40 +207,28 @@ def traced_runs(cfgs: list[dict[str, Any]], events: list[str], data: Path) -> li
 
 
 def measure(mib: int, rounds: int, shard_mib: int) -> dict[str, Any]:
-    from bench.b1_dataplane import NUM_AUX, SEED, extract_config, sample_lengths
-    from bench.common import null_sink, raw_bytes, rmtree, scratch, synth_server, token_rows, tokenizer_dir
+    from bench.extractor_cost import workload
 
-    hidden = 4096
-    work, dumps = scratch("gil"), scratch("gil-dumps", shm=True)
-    lengths = sample_lengths(mib << 20, hidden, 768, 1536, SEED)
-    long_lengths = sample_lengths(3 * mib << 20, hidden, 768, 1536, SEED)
-    nbytes, long_nbytes = raw_bytes(lengths, hidden, NUM_AUX), raw_bytes(long_lengths, hidden, NUM_AUX)
-    extra_gb = (long_nbytes - nbytes) / 1e9
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"})
-    margins: list[dict[str, float]] = []
-    try:
-        tok = tokenizer_dir(work)
-        short_rows, long_rows = token_rows(work / "rows.jsonl", lengths, SEED), token_rows(work / "long.jsonl", long_lengths, SEED)
-        with synth_server(dumps, hidden, 1536) as synth, null_sink() as sink, gil_probes(libpython()) as events:
-            for r in range(rounds):
-                cfgs = [extract_config(f"g{tag}{r}", rows, tok, synth.url, dumps, sink, "null", "bf16-zstd", shard_mib << 20)
-                        for tag, rows in (("w", short_rows), ("s", short_rows), ("l", long_rows))]
-                short, long = traced_runs(cfgs, events, work / "perf.data")
-                margins.append({
-                    "held_s_per_gb": (long.held - short.held) / extra_gb,
-                    "held_on_cpu_s_per_gb": (long.held_on_cpu - short.held_on_cpu) / extra_gb,
-                    "acquisitions_per_gb": (long.acquisitions - short.acquisitions) / extra_gb,
-                    "threads": long.threads,
-                    "held_on_cpu_s_per_gb_by_thread": {
-                        k: round(v, 4) for k in sorted(set(long.by_thread) | set(short.by_thread))
-                        if abs(v := (long.by_thread.get(k, 0.0) - short.by_thread.get(k, 0.0)) / extra_gb) >= 0.001
-                    },
-                    "runs": [{"raw_bytes": n, "held_s": h.held, "held_switched_out_s": h.held_switched_out,
-                              "acquisitions": h.acquisitions} for n, h in ((nbytes, short), (long_nbytes, long))],
-                })
-    finally:
-        rmtree(work)
-        rmtree(dumps)
+    margins: list[dict[str, Any]] = []
+    with workload("gil", mib, marginal=True) as w, gil_probes(libpython()) as events:
+        assert w.long_rows is not None
+        extra_gb = (w.long_raw_bytes - w.raw_bytes) / 1e9
+        for r in range(rounds):
+            cfgs = [w.config(f"g{tag}{r}", rows, "bf16-zstd", shard_mib)
+                    for tag, rows in (("w", w.rows), ("s", w.rows), ("l", w.long_rows))]
+            short, long = traced_runs(cfgs, events, w.work / "perf.data")
+            margins.append({
+                "held_s_per_gb": (long.held - short.held) / extra_gb,
+                "held_on_cpu_s_per_gb": (long.held_on_cpu - short.held_on_cpu) / extra_gb,
+                "acquisitions_per_gb": (long.acquisitions - short.acquisitions) / extra_gb,
+                "threads": long.threads,
+                "held_on_cpu_s_per_gb_by_thread": {
+                    k: round(v, 4) for k in sorted(set(long.by_thread) | set(short.by_thread))
+                    if abs(v := (long.by_thread.get(k, 0.0) - short.by_thread.get(k, 0.0)) / extra_gb) >= 0.001
+                },
+                "runs": [{"raw_bytes": n, "held_s": h.held, "held_switched_out_s": h.held_switched_out,
+                          "acquisitions": h.acquisitions} for n, h in ((w.raw_bytes, short), (w.long_raw_bytes, long))],
+            })
     on_cpu = statistics.median(m["held_on_cpu_s_per_gb"] for m in margins)
     return {
         "rounds": margins,

@@ -230,8 +230,7 @@ def part_body_buffer(length: int) -> bytearray:
     if buffer is None or not buffer.__alloc__() // 2 <= length < buffer.__alloc__():
         # Room for the next shards' parts, a few percent larger: shrunk to size, it keeps its allocation.
         buffer = _part_buffers.buffer = bytearray(length + length // PART_BUFFER_HEADROOM)
-        del buffer[length:]
-    elif length < len(buffer):
+    if length < len(buffer):
         del buffer[length:]
     elif length > len(buffer):
         buffer.extend(bytes(length - len(buffer)))
