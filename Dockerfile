@@ -20,6 +20,18 @@ COPY extractor ./extractor
 COPY operator ./operator
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
+# ---- the native bf16 kernels (storage/native.py): encoding's split and the Inf/NaN scan in C ---
+# A library apart, so the wheel stays pure Python for the engine images; only the extractor loads it.
+FROM ${PYTHON_IMAGE} AS native
+# The compiler only: the library is plain C99 against libc and does not outlive this stage.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install --no-cache-dir --no-deps /wheels/hsx-0.1.0-py3-none-any.whl \
+    && python -m hsx_extractor.storage.native build /native
+
 # ---- common runtime: slim Python, an unprivileged user --------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -40,6 +52,10 @@ ENTRYPOINT ["hsx-operator"]
 FROM runtime AS extractor
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install "/wheels/hsx-0.1.0-py3-none-any.whl[extractor]"
+# Named, the library must load: an image without it fails here, a pod with a broken one at start.
+COPY --from=native /native/_hsx_bf16.so /opt/hsx/_hsx_bf16.so
+ENV HSX_NATIVE_LIB=/opt/hsx/_hsx_bf16.so
+RUN python -m hsx_extractor.storage.native status
 USER 65532:65532
 ENTRYPOINT ["hsx"]
 

@@ -34,7 +34,12 @@ $(VENV)/.installed: pyproject.toml | $(UV)
 	$(UV) pip install -q -p $(BIN)/python -e '.[extractor,operator,reference,dev]'
 	touch $@
 
-venv: $(VENV)/.installed
+# The native bf16 kernels (storage/native.py), beside their source where the editable install finds them.
+NATIVE_LIB := extractor/hsx_extractor/storage/_hsx_bf16.so
+$(NATIVE_LIB): extractor/hsx_extractor/storage/bf16_kernels.c extractor/hsx_extractor/storage/native.py $(VENV)/.installed
+	$(BIN)/python -m hsx_extractor.storage.native build $(@D)
+
+venv: $(VENV)/.installed $(NATIVE_LIB)
 
 # Real kube-apiserver, controller-manager, scheduler, etcd, helm, kubectl, hadolint, the SGLang CPU venv and
 # the trainers' venv (cached by version).
@@ -65,4 +70,4 @@ crds: venv
 	cp crds/*.yaml charts/hsx/crds/
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo-output
+	rm -rf $(VENV) $(NATIVE_LIB) .pytest_cache .mypy_cache .ruff_cache demo-output

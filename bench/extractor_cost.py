@@ -1,7 +1,7 @@
 """The extractor's own CPU per GB of hidden states, end to end, in steady state; optionally against another
 checkout of hsx side by side (A/B of a change).
 
-    .venv/bin/python -m bench.extractor_cost [--mib 1024] [--rounds 4] [--codec bf16-zstd] [--against DIR | --tls]
+    .venv/bin/python -m bench.extractor_cost [--mib 1024] [--rounds 4] [--codec bf16-zstd] [--against DIR|numpy | --tls]
         [--pairs 2] [--marginal]
 
 One process runs ``--rounds`` real ``hsx extract`` runs (run.runner.extract) of the same pre-tokenized
@@ -12,7 +12,8 @@ reported apart; the figure is the median of the others, user and system time apa
 
 ``--against DIR`` runs the same measurement with the hsx checkout in DIR (a ``git worktree`` of another
 commit) in its own process, ``--pairs`` times, alternating with this checkout: both see the same machine
-state, so the difference is the change's. ``--tls`` instead runs this checkout against the sink over HTTP
+state, so the difference is the change's; ``--against numpy`` runs this checkout without its native kernels
+(HSX_NATIVE_LIB=off) instead. ``--tls`` instead runs this checkout against the sink over HTTP
 and over HTTPS, alternating (bench/results/extractor_cost_tls.json), and projects the cores a pod needs at
 1, 3 and 6 GB/s over HTTPS from the HTTPS figure.
 """
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import ROOT
+from hsx_extractor.storage.native import LIBRARY_ENV, LIBRARY_OFF
 
 RESULT = "EXTRACTOR_COST "
 B1_SHARD_MIB = 128  # B1's shards (the product's default shardTargetBytes is 1 GiB)
@@ -156,15 +158,17 @@ def measure(
 
 
 def in_process(
-    checkout: Path, mib: int, rounds: int, codec: str, tls: bool = False, marginal: bool = False, shard_mib: int = B1_SHARD_MIB
+    checkout: Path, mib: int, rounds: int, codec: str, tls: bool = False, marginal: bool = False,
+    shard_mib: int = B1_SHARD_MIB, env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """:func:`measure` in a fresh process importing hsx_extractor from ``checkout`` (the benchmark's own
-    helpers stay this checkout's)."""
+    helpers stay this checkout's), with ``env`` added to its environment."""
     code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(checkout / 'extractor')!r}]; "
             f"from bench.extractor_cost import measure, RESULT; import hsx_extractor; "
             f"assert hsx_extractor.__file__.startswith({str(checkout)!r}), hsx_extractor.__file__; "
             f"print(RESULT + json.dumps(measure({mib}, {rounds}, {codec!r}, {tls!r}, {marginal!r}, {shard_mib})), flush=True)")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False,
+                          env=os.environ | (env or {}))
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"measuring {checkout} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -172,6 +176,7 @@ def in_process(
 
 
 PROJECTED_GBPS = (1, 3, 6)
+NUMPY = "numpy"  # --against numpy
 
 
 def _summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -186,6 +191,8 @@ def _summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
 def run_extractor_cost(mib: int = 1024, rounds: int = 4, codec: str = "bf16-zstd", against: str | None = None,
                        pairs: int = 2, tls: bool = False, marginal: bool = False,
                        shard_mib: int = B1_SHARD_MIB) -> dict[str, Any]:
+    """``against``: another checkout's directory, or ``numpy``: this checkout without its native kernels
+    (HSX_NATIVE_LIB=off, storage/native.py)."""
     from bench.common import write_result
 
     result: dict[str, Any] = {
@@ -210,12 +217,14 @@ def run_extractor_cost(mib: int = 1024, rounds: int = 4, codec: str = "bf16-zstd
         result["this"] = in_process(ROOT, mib, rounds, codec, marginal=marginal, shard_mib=shard_mib)
     else:
         runs = {"this": [], "against": []}
+        numpy_only = against == NUMPY
+        other = ROOT if numpy_only else Path(against).resolve()
         for _ in range(pairs):
-            runs["against"].append(in_process(Path(against).resolve(), mib, rounds, codec, marginal=marginal,
-                                              shard_mib=shard_mib))
+            runs["against"].append(in_process(other, mib, rounds, codec, marginal=marginal, shard_mib=shard_mib,
+                                              env={LIBRARY_ENV: LIBRARY_OFF} if numpy_only else None))
             runs["this"].append(in_process(ROOT, mib, rounds, codec, marginal=marginal, shard_mib=shard_mib))
         result |= {name: _summary(rs) for name, rs in runs.items()}
-        result["against_checkout"] = str(Path(against).resolve())
+        result["against_checkout"] = f"{ROOT} with {LIBRARY_ENV}={LIBRARY_OFF}" if numpy_only else str(other)
         result["this_over_against"] = round(result["this"]["core_s_per_gb"] / result["against"]["core_s_per_gb"], 3)
     write_result("extractor_cost" + ("_tls" if tls else ""), result)
     for name in ("this", "against", "http", "https"):
@@ -234,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--codec", default="bf16-zstd", choices=["none", "bf16-zstd", "fp8-e4m3"])
-    ap.add_argument("--against", help="another hsx checkout (a git worktree) to measure side by side")
+    ap.add_argument("--against", help="another hsx checkout (a git worktree) to measure side by side, or "
+                    f"'{NUMPY}': this checkout without its native kernels")
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--tls", action="store_true", help="measure over HTTP and HTTPS side by side instead")
     ap.add_argument("--marginal", action="store_true", help="also the cost per GB deep into a run (3x the bytes)")

@@ -13,6 +13,7 @@ written to /dev/shm as the server writes it, then each stage runs as the extract
   xxh3      the sample checksum (storage.shard_format.checksum) over the encoded bytes
   encode    all of a sample's encoding as ShardBuilder.add runs it (storage.shard_format.encode_sample
             with per-thread PlaneBuffers: split, zstd, xxh3), the work the encode threads share
+  native    validate, split and encode with the native kernels (storage/native.py), when they are built
   spool     writing the encoded bytes to the shard spool: into a reused file or a fresh one, on tmpfs
             (/dev/shm) and on disk ($TMPDIR or /var/tmp), the choice of issue 17 item 6
 
@@ -43,7 +44,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "extractor"))
 from bench.bench_compression import activation_like
 from bench.common import rmtree, scratch, write_result
 from hsx_extractor.run.validate import count_non_finite
-from hsx_extractor.storage.compress import CODEC_BF16_SPLIT_ZSTD, PlaneBuffers, _cctx, split_planes
+from hsx_extractor.storage import native
+from hsx_extractor.storage.compress import (
+    CODEC_BF16_SPLIT_ZSTD,
+    SPLIT_CHUNK_VALUES,
+    PlaneBuffers,
+    _cctx,
+    split_planes,
+)
 from hsx_extractor.storage.shard_format import SampleRecord, checksum, encode_sample
 from hsx_extractor.storage.spool import pwrite_all
 
@@ -100,11 +108,12 @@ class Sample:
 _local = threading.local()
 
 
-def _planes(chunk: int | None = None) -> PlaneBuffers:
-    """This thread's plane buffers (the extractor's chunk size unless ``chunk``)."""
-    name = f"planes{chunk}"
+def _planes(chunk: int | None = None, kernels: native.Bf16Kernels | None = None) -> PlaneBuffers:
+    """This thread's plane buffers: numpy's split (the extractor's chunk size unless ``chunk``), or the
+    native kernels' when given."""
+    name = f"planes{chunk}{kernels is not None}"
     if not hasattr(_local, name):
-        setattr(_local, name, PlaneBuffers() if chunk is None else PlaneBuffers(chunk))
+        setattr(_local, name, PlaneBuffers(chunk or SPLIT_CHUNK_VALUES, kernels))
     return getattr(_local, name)  # type: ignore[no-any-return]
 
 
@@ -132,6 +141,14 @@ def stages(spool_dirs: dict[str, Path]) -> dict[str, Callable[[Sample], object]]
         "xxh3": lambda s: checksum(s.frame) + checksum(s.low.data),
         "encode": lambda s: encode_sample(s.record, CODEC_BF16_SPLIT_ZSTD, _planes()) and _planes().reuse(),
     }
+    kernels = native.kernels()
+    if kernels is not None:  # the extractor's way where the library is built (storage/native.py)
+        out |= {
+            "validate native": lambda s: count_non_finite(s.bits, kernels=kernels),
+            "split native": lambda s: _planes(kernels=kernels).split(s.bits) and _planes(kernels=kernels).reuse(),
+            "encode native": lambda s: (encode_sample(s.record, CODEC_BF16_SPLIT_ZSTD, _planes(kernels=kernels))
+                                        and _planes(kernels=kernels).reuse()),
+        }
     for where in spool_dirs:
         out[f"spool reused ({where})"] = lambda s, w=where: pwrite_all(s.reused[w].fileno(), s.encoded, 0)
         out[f"spool fresh ({where})"] = lambda s, w=where: _fresh_spool(s, w)

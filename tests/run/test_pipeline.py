@@ -25,6 +25,7 @@ from hsx_extractor.run.progress import Progress, bound_port, start_progress_serv
 from hsx_extractor.run.runner import extract
 from hsx_extractor.run.sources import iter_rows
 from hsx_extractor.run.tokens import ChatTokenizer
+from hsx_extractor.storage import native
 from hsx_extractor.storage.shard_format import SampleRecord
 from hsx_extractor.storage.store import open_store
 from hsx_extractor.tools.tinymodel import example_dataset_path
@@ -513,6 +514,20 @@ def test_a_configuration_error_found_at_a_row_is_permanent_with_format_auto(
     dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(3))
     code, _, progress = run(base_config(tmp_path, ref_server, dataset, dataset__tokenizer=str(bare)))
     assert code == EXIT_PERMANENT and "no chat template" in (progress.last_error or "")
+
+
+def test_native_kernels_named_but_not_loadable_stop_the_run_permanently(
+    tmp_path: Path, ref_server: RefServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(native.LIBRARY_ENV, str(tmp_path / "missing" / native.LIBRARY_NAME))
+    native.kernels.cache_clear()
+    try:
+        code, _, progress = run(base_config(tmp_path, ref_server, write_jsonl(tmp_path / "d.jsonl", chat_rows(2))))
+    finally:
+        monkeypatch.undo()
+        native.kernels.cache_clear()
+    assert code == EXIT_PERMANENT
+    assert f"{native.LIBRARY_ENV}=" in (progress.last_error or "") and "cannot load" in (progress.last_error or "")
 
 
 def test_lines_expanded_turns_and_the_quarantine_summary(

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from hsx_extractor.sglang_hook.launch import SGLANG_BASE_IMAGE
+from hsx_extractor.storage import native
 from hsx_extractor.vllm_hook.launch import VLLM_BASE_IMAGE
 from hsx_operator.desired import EXTRACTOR_UID
 
@@ -75,6 +76,19 @@ def test_one_target_per_image_and_non_root_python_images() -> None:
     assert "--no-deps" in "\n".join(stages["sglang"]) and "install-pth" in "\n".join(stages["sglang"])
     vllm = "\n".join(stages["vllm"])
     assert "--no-deps" in vllm and "VLLM_VERSION" in vllm and "vllm_hook.connector import HsxDumpConnector" in vllm
+
+
+def test_the_extractor_image_carries_the_native_kernels_and_refuses_to_build_without_them() -> None:
+    stages = _stages()
+    native_stage = "\n".join(stages["native"])
+    assert "python -m hsx_extractor.storage.native build /native" in native_stage
+    extractor = "\n".join(stages["extractor"])
+    assert f"COPY --from=native /native/{native.LIBRARY_NAME} /opt/hsx/{native.LIBRARY_NAME}" in extractor
+    assert f"ENV {native.LIBRARY_ENV}=/opt/hsx/{native.LIBRARY_NAME}" in extractor
+    # Named, the library must load (storage/native.py): the status check fails the build otherwise.
+    assert extractor.index(f"ENV {native.LIBRARY_ENV}") < extractor.index("python -m hsx_extractor.storage.native status")
+    # A library built for this checkout's venv never reaches the build context.
+    assert "**/*.so" in (ROOT / ".dockerignore").read_text().splitlines()
 
 
 def test_base_images_are_pinned_and_sglang_is_the_pinned_release() -> None:

@@ -64,7 +64,7 @@ from hsx_extractor.run.sources import iter_rows
 from hsx_extractor.run.tokens import ChatTokenizer, TokenizerError
 from hsx_extractor.run.validate import MismatchGate
 from hsx_extractor.sglang_hook.launch import HOOK_PRODUCER, SGLANG_VERSION
-from hsx_extractor.storage import failpoints
+from hsx_extractor.storage import failpoints, native
 from hsx_extractor.storage.commit_record import ShardCommit
 from hsx_extractor.storage.manifest import Capture
 from hsx_extractor.storage.shard_format import STATES_DTYPE
@@ -265,6 +265,11 @@ class Extraction:
     # ---- the run -------------------------------------------------------------------------------
     async def run(self) -> RunResult:
         cfg = self.cfg
+        try:
+            kernels = native.kernels()
+        except native.NativeLibraryError as exc:
+            raise permanent(str(exc)) from exc
+        print(f"hsx: bf16 kernels: {native.describe(kernels)}", flush=True)
         tok = await asyncio.to_thread(self.open_tokenizer)
         try:
             store = await asyncio.to_thread(open_store, cfg.output, cfg.runId)

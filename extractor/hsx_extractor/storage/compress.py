@@ -21,7 +21,7 @@ import numpy as np
 import zstandard
 
 from hsx_extractor import protocol
-from hsx_extractor.storage import fp8
+from hsx_extractor.storage import fp8, native
 
 CODEC_RAW: Final = "raw"
 CODEC_BF16_SPLIT_ZSTD: Final = "bf16-split-zstd"
@@ -82,11 +82,14 @@ class PlaneBuffers:
     sample's encoded parts are written out.
     """
 
-    def __init__(self, chunk: int = SPLIT_CHUNK_VALUES) -> None:
+    def __init__(self, chunk: int = SPLIT_CHUNK_VALUES, kernels: native.Bf16Kernels | None = None) -> None:
+        """``kernels``: the native split (storage/native.py; ``native.kernels()`` for this process's),
+        None for numpy's, ``chunk`` values at a time."""
         self._buffers: list[np.ndarray] = []
         self._taken = 0
         self._chunk = chunk
         self._shift = np.empty(chunk, dtype=np.uint16)
+        self._kernels = kernels
 
     def reuse(self) -> None:
         if sum(b.size for b in self._buffers) > PLANE_BUFFERS_KEPT_BYTES:
@@ -106,6 +109,9 @@ class PlaneBuffers:
         """Like :func:`split_planes`, into this object's buffers, a cache-sized chunk at a time."""
         bits = _as_bf16_bits(values)
         high, low = self._take(bits.size), self._take(bits.size)
+        if self._kernels is not None and self._kernels.accepts(bits):
+            self._kernels.split(bits, high, low)  # one pass, without the GIL
+            return high, low
         for start in range(0, bits.size, self._chunk):
             part = bits[start : start + self._chunk]
             shifted = self._shift[: part.size]

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 
 from hsx_extractor.config import OutputSpec
-from hsx_extractor.storage import failpoints
+from hsx_extractor.storage import failpoints, native
 from hsx_extractor.storage.backends import (
     Backend,
     LocalBackend,
@@ -72,7 +72,7 @@ _local = threading.local()
 
 def _thread_planes() -> PlaneBuffers:
     if not hasattr(_local, "planes"):
-        _local.planes = PlaneBuffers()
+        _local.planes = PlaneBuffers(kernels=native.kernels())
     return _local.planes  # type: ignore[no-any-return]
 
 

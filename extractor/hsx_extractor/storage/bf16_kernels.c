@@ -1,0 +1,41 @@
+/* hsx's native bf16 kernels: the byte-plane split of the bf16-split-zstd codec and the Inf/NaN count
+ * of dump validation. storage/native.py builds and loads this file and calls it through ctypes, which
+ * releases the GIL for the call; numpy does the same work where it is not built (bit-identical).
+ * Plain C99, no Python headers: one library serves every Python version. */
+#include <stddef.h>
+#include <stdint.h>
+
+/* x86-64: one copy per instruction set, chosen at load time for the CPU the pod landed on. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define HSX_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define HSX_CLONES
+#endif
+
+/* Bumped when a signature changes: the loader refuses a library built from another version. */
+uint32_t hsx_bf16_abi(void) { return 1; }
+
+/* high[i] = bits[i] >> 8, low[i] = bits[i] & 0xFF: one pass, no temporaries. */
+HSX_CLONES
+void hsx_bf16_split(const uint16_t *restrict bits, uint8_t *restrict high, uint8_t *restrict low, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        uint16_t v = bits[i];
+        high[i] = (uint8_t)(v >> 8);
+        low[i] = (uint8_t)v;
+    }
+}
+
+/* Values whose 8 exponent bits are all ones (Inf or NaN). Counted in blocks small enough for a 16-bit
+ * lane to hold the count, so the loop vectorises without widening every compare. */
+HSX_CLONES
+size_t hsx_bf16_count_non_finite(const uint16_t *restrict bits, size_t n) {
+    size_t total = 0;
+    for (size_t start = 0; start < n; start += 0xFFFF) {
+        size_t end = n - start < 0xFFFF ? n : start + 0xFFFF;
+        uint16_t count = 0;
+        for (size_t i = start; i < end; i++)
+            count += (uint16_t)((bits[i] & 0x7FFFu) >= 0x7F80u);
+        total += count;
+    }
+    return total;
+}
