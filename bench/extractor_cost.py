@@ -15,7 +15,8 @@ commit) in its own process, ``--pairs`` times, alternating with this checkout: b
 state, so the difference is the change's; ``--against numpy`` runs this checkout without its native kernels
 (HSX_NATIVE_LIB=off) instead. ``--tls`` instead runs this checkout against the sink over HTTP
 and over HTTPS, alternating (bench/results/extractor_cost_tls.json), and projects the cores a pod needs at
-1, 3 and 6 GB/s over HTTPS from the HTTPS figure.
+1, 3 and 6 GB/s over HTTPS from the HTTPS figure. ``--core-scaling`` instead measures the throughput deep
+into a run with every process on one CPU and on two, alternating (bench/results/extractor_scaling.json).
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def measure(
                 extra = (long_nbytes - nbytes) / 1e9
                 margins.append({
                     k: (long[k] * long_nbytes / 1e9 - out[-1][k] * nbytes / 1e9) / extra for k in ("user", "sys")
-                })
+                } | {"MBps": (long_nbytes - nbytes) / (long_nbytes / long["MBps"] - nbytes / out[-1]["MBps"])})
     steady = out[1:] or out
     total = [r["user"] + r["sys"] for r in steady]
     result: dict[str, Any] = {
@@ -153,22 +154,25 @@ def measure(
             "marginal_core_s_per_gb": round(statistics.median(m["user"] + m["sys"] for m in margins), 3),
             "marginal_user_core_s_per_gb": round(statistics.median(m["user"] for m in margins), 3),
             "marginal_sys_core_s_per_gb": round(statistics.median(m["sys"] for m in margins), 3),
+            "marginal_MBps": round(statistics.median(m["MBps"] for m in margins)),
         }
     return result
 
 
 def in_process(
     checkout: Path, mib: int, rounds: int, codec: str, tls: bool = False, marginal: bool = False,
-    shard_mib: int = B1_SHARD_MIB, env: dict[str, str] | None = None,
+    shard_mib: int = B1_SHARD_MIB, env: dict[str, str] | None = None, cpus: set[int] | None = None,
 ) -> dict[str, Any]:
     """:func:`measure` in a fresh process importing hsx_extractor from ``checkout`` (the benchmark's own
-    helpers stay this checkout's), with ``env`` added to its environment."""
+    helpers stay this checkout's), with ``env`` added to its environment; with ``cpus`` it and every
+    process it starts (the synthetic server, the sink) run on those CPUs only."""
     code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(checkout / 'extractor')!r}]; "
             f"from bench.extractor_cost import measure, RESULT; import hsx_extractor; "
             f"assert hsx_extractor.__file__.startswith({str(checkout)!r}), hsx_extractor.__file__; "
             f"print(RESULT + json.dumps(measure({mib}, {rounds}, {codec!r}, {tls!r}, {marginal!r}, {shard_mib})), flush=True)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False,
-                          env=os.environ | (env or {}))
+                          env=os.environ | (env or {}),
+                          preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"measuring {checkout} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -238,6 +242,36 @@ def run_extractor_cost(mib: int = 1024, rounds: int = 4, codec: str = "bf16-zstd
     return result
 
 
+def run_core_scaling(mib: int, rounds: int, codec: str, pairs: int, shard_mib: int) -> dict[str, Any]:
+    """Deep-into-a-run throughput with everything (extractor, synthetic server, sink) on one CPU, then on
+    two, alternating ``pairs`` times: the pipeline's 1 -> 2-core scaling on this machine. The server and the
+    sink share the cores, so it bounds the extractor's own scaling from below."""
+    from bench.common import write_result
+
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("core scaling needs 2 CPUs")
+    two = set(sorted(os.sched_getaffinity(0))[:2])
+    runs: dict[str, list[dict[str, Any]]] = {"1 core": [], "2 cores": []}
+    for _ in range(pairs):
+        for name, cpus in (("1 core", {min(two)}), ("2 cores", two)):
+            runs[name].append(in_process(ROOT, mib, rounds, codec, marginal=True, shard_mib=shard_mib, cpus=cpus))
+    rate = {name: statistics.median(r["marginal_MBps"] for r in rs) for name, rs in runs.items()}
+    result: dict[str, Any] = {
+        "what": "hsx extract's throughput deep into a run on 1 and on 2 CPUs (with the synthetic server and the "
+                "null sink on the same CPUs)",
+        "command": f"python -m bench.extractor_cost --core-scaling --mib {mib} --rounds {rounds} --codec {codec} "
+                   f"--pairs {pairs} --shard-mib {shard_mib}",
+        "codec": codec,
+        "marginal_MBps": {name: round(v) for name, v in rate.items()},
+        "scaling_1_to_2_cores": round(rate["2 cores"] / rate["1 core"], 3),
+        "runs": runs,
+    }
+    write_result("extractor_scaling", result)
+    print(f"deep into a run: {rate['1 core']:.0f} MB/s on 1 core, {rate['2 cores']:.0f} on 2: "
+          f"x{result['scaling_1_to_2_cores']:.2f}", flush=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=1024)
@@ -250,7 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--marginal", action="store_true", help="also the cost per GB deep into a run (3x the bytes)")
     ap.add_argument("--shard-mib", type=int, default=B1_SHARD_MIB,
                     help="shardTargetBytes in MiB (B1's 128; the product's default is 1024)")
+    ap.add_argument("--core-scaling", action="store_true",
+                    help="instead: throughput deep into a run on 1 CPU and on 2 (bench/results/extractor_scaling.json)")
     args = ap.parse_args(argv)
+    if args.core_scaling:
+        run_core_scaling(args.mib, args.rounds, args.codec, args.pairs, args.shard_mib)
+        return 0
     if args.tls and args.against:
         ap.error("--tls and --against measure different things: give one")
     run_extractor_cost(args.mib, args.rounds, args.codec, args.against, args.pairs, args.tls, args.marginal,
