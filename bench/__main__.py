@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in one go, then a one-screen summary (results in bench/results/).
 
-    .venv/bin/python -m bench [--only b1,b2,b3,b4,memory,hook_writer,tokenize,reader,first_request,extractor_cost,gil,s3_clients]
+    .venv/bin/python -m bench [--only b1,b2,b3,b4,memory,hook_writer,tokenize,reader,first_request,extractor_cost,extractor_scaling,gil,s3_clients]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def benchmarks() -> dict[str, Callable[[], dict[str, Any]]]:
     from bench.b1_dataplane import run_b1
     from bench.b2_saturation import run_b2
     from bench.b4_operator import run_b4
-    from bench.extractor_cost import run_extractor_cost
+    from bench.extractor_cost import run_core_scaling, run_extractor_cost
     from bench.first_request import run_first_request
     from bench.gil import run_gil
     from bench.hook_writer import run_hook_writer
@@ -41,6 +41,7 @@ def benchmarks() -> dict[str, Callable[[], dict[str, Any]]]:
         "reader": lambda: run_reader([]),
         "first_request": run_first_request,
         "extractor_cost": lambda: run_extractor_cost(mib=3072, tls=True, marginal=True, shard_mib=1024),
+        "extractor_scaling": lambda: run_core_scaling(mib=2048, rounds=3, codec="bf16-zstd", pairs=2, shard_mib=1024),
         "gil": run_gil,
         "s3_clients": run_s3_clients,
     }
@@ -118,6 +119,10 @@ def summary(results: dict[str, Any]) -> list[str]:
                     f"{v['marginal_core_s_per_gb']:.2f} ({v['MBps']})", "<= 1.5")
             cores = " / ".join(str(c) for c in r["projected_cores_https"].values())
             row("", "  projected cores over HTTPS for 1 / 3 / 6 GB/s", cores)
+        elif name == "extractor_scaling":
+            rates = r["marginal_MBps"]
+            row("extractor", f"1 -> 2 cores deep into a run ({rates['1 core']} -> {rates['2 cores']} MB/s, all on them)",
+                f"x{r['scaling_1_to_2_cores']:.2f}", ">= 1.7")
         elif name == "gil":
             if "not_measured" in r:
                 row("GIL", f"not measured: {r['not_measured']}", "-")
@@ -141,7 +146,7 @@ def summary(results: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="run hsx's benchmarks")
-    p.add_argument("--only", default="b1,b2,b3,b4,memory,hook_writer,tokenize,reader,first_request,extractor_cost,gil,s3_clients", help="comma-separated subset")
+    p.add_argument("--only", default="b1,b2,b3,b4,memory,hook_writer,tokenize,reader,first_request,extractor_cost,extractor_scaling,gil,s3_clients", help="comma-separated subset")
     args = p.parse_args(argv)
     table = benchmarks()
     wanted = [n.strip() for n in args.only.split(",") if n.strip()]
