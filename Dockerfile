@@ -30,7 +30,7 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-deps /wheels/hsx-0.1.0-py3-none-any.whl \
-    && python -m hsx_extractor.storage.native build /native
+    && CC=gcc python -m hsx_extractor.storage.native build /native
 
 # ---- common runtime: slim Python, an unprivileged user --------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime

@@ -106,7 +106,8 @@ class PlaneBuffers:
         return out
 
     def split(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Like :func:`split_planes`, into this object's buffers, a cache-sized chunk at a time."""
+        """Like :func:`split_planes`, into this object's buffers: in one native pass, or with numpy a
+        cache-sized chunk at a time."""
         bits = _as_bf16_bits(values)
         high, low = self._take(bits.size), self._take(bits.size)
         if self._kernels is not None and self._kernels.accepts(bits):
