@@ -12,7 +12,14 @@ import pytest
 
 from hsx_extractor.run.validate import count_non_finite
 from hsx_extractor.storage import native
-from hsx_extractor.storage.compress import PlaneBuffers, split_planes
+from hsx_extractor.storage.compress import (
+    CODEC_BF16_SPLIT_ZSTD,
+    PlaneBuffers,
+    decode_bf16_array,
+    encode_bf16,
+    join_planes,
+    split_planes,
+)
 
 SIZES = [0, 1, 2, 31, 32, 33, 63, 64, 65, 4099, 0xFFFF, 0xFFFF + 1, 3 * 0xFFFF + 7, (1 << 18) + 5]
 
@@ -36,6 +43,24 @@ def test_split_matches_numpy_bit_for_bit(kernels: native.Bf16Kernels, n: int) ->
     kernels.split(bits, high, low)
     want_high, want_low = split_planes(bits)
     assert np.array_equal(high, want_high) and np.array_equal(low, want_low)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_join_matches_numpy_bit_for_bit(kernels: native.Bf16Kernels, n: int) -> None:
+    high, low = split_planes(_random_bits(n, n + 2))
+    bits = np.full(n, 7, np.uint16)
+    kernels.join(high, low, bits)
+    assert np.array_equal(bits, join_planes(high, low))
+
+
+def test_the_reader_decodes_natively_into_its_buffer(kernels: native.Bf16Kernels) -> None:
+    bits = _random_bits(300 * 64, 5) & 0x3FFF  # finite, compressible
+    used, stored = encode_bf16(bits, CODEC_BF16_SPLIT_ZSTD)
+    assert used == CODEC_BF16_SPLIT_ZSTD
+    out = np.zeros(bits.size, np.uint16)
+    decoded = decode_bf16_array(used, stored, bits.size, rows=300, out=out, kernels=kernels)
+    assert decoded is out and np.array_equal(out, bits)
+    assert np.array_equal(decode_bf16_array(used, memoryview(stored), bits.size, rows=300), bits)  # numpy's way
 
 
 def test_plane_buffers_split_natively_into_their_reused_buffers(kernels: native.Bf16Kernels) -> None:

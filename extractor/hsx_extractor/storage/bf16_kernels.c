@@ -1,5 +1,5 @@
-/* hsx's native bf16 kernels: the byte-plane split of the bf16-split-zstd codec and the Inf/NaN count
- * of dump validation. storage/native.py builds and loads this file and calls it through ctypes, which
+/* hsx's native bf16 kernels: the byte-plane split of the bf16-split-zstd codec and its inverse (the
+ * reader's join), and the Inf/NaN count of dump validation. storage/native.py builds and loads this file and calls it through ctypes, which
  * releases the GIL for the call; numpy does the same work where it is not built (bit-identical).
  * Plain C99, no Python headers: one library serves every Python version. */
 #include <stddef.h>
@@ -13,7 +13,7 @@
 #endif
 
 /* Bumped when a signature changes: the loader refuses a library built from another version. */
-uint32_t hsx_bf16_abi(void) { return 1; }
+uint32_t hsx_bf16_abi(void) { return 2; }
 
 /* high[i] = bits[i] >> 8, low[i] = bits[i] & 0xFF: one pass, no temporaries. */
 HSX_CLONES
@@ -23,6 +23,13 @@ void hsx_bf16_split(const uint16_t *restrict bits, uint8_t *restrict high, uint8
         high[i] = (uint8_t)(v >> 8);
         low[i] = (uint8_t)v;
     }
+}
+
+/* bits[i] = high[i] << 8 | low[i]: the inverse of hsx_bf16_split, in one pass over the output. */
+HSX_CLONES
+void hsx_bf16_join(const uint8_t *restrict high, const uint8_t *restrict low, uint16_t *restrict bits, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        bits[i] = (uint16_t)((uint16_t)high[i] << 8 | low[i]);
 }
 
 /* Values whose 8 exponent bits are all ones (Inf or NaN). Counted in blocks small enough for a 16-bit

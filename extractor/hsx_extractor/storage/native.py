@@ -1,7 +1,8 @@
-"""hsx's native bf16 kernels (bf16_kernels.c): the byte-plane split and the Inf/NaN count, loaded with ctypes.
+"""hsx's native bf16 kernels (bf16_kernels.c): the byte-plane split, its inverse and the Inf/NaN count, loaded with ctypes.
 
 ctypes releases the GIL for the call, so encoding and validation threads split and scan in parallel;
-one pass over the values replaces numpy's chunked shift, casts and reductions (bench/stages.py).
+one pass over the values replaces numpy's chunked shift, casts and reductions (bench/stages.py), and the
+reader joins the planes in one pass instead of numpy's two (bench/reader.py).
 The library is optional: without it numpy does the same work, bit for bit (tests/storage/test_native.py).
 
 Where it is looked for (``HSX_NATIVE_LIB``):
@@ -30,7 +31,7 @@ LIBRARY_ENV: Final = "HSX_NATIVE_LIB"
 LIBRARY_OFF: Final = "off"
 LIBRARY_NAME: Final = "_hsx_bf16.so"
 SOURCE: Final = Path(__file__).with_name("bf16_kernels.c")
-ABI: Final = 1  # hsx_bf16_abi() of a library built from this checkout's bf16_kernels.c
+ABI: Final = 2  # hsx_bf16_abi() of a library built from this checkout's bf16_kernels.c
 CFLAGS: Final = ("-O3", "-shared", "-fPIC", "-std=c99", "-Wall", "-Wextra", "-Werror")
 
 
@@ -53,6 +54,9 @@ class Bf16Kernels:
         self._split = lib.hsx_bf16_split
         self._split.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
         self._split.restype = None
+        self._join = lib.hsx_bf16_join
+        self._join.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        self._join.restype = None
         self._count = lib.hsx_bf16_count_non_finite
         self._count.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         self._count.restype = ctypes.c_size_t
@@ -68,6 +72,14 @@ class Bf16Kernels:
         if not (bits.size == high.size == low.size) or not self.accepts(bits, high, low):
             raise ValueError("split needs contiguous, aligned arrays of one length")
         self._split(bits.ctypes.data, high.ctypes.data, low.ctypes.data, bits.size)
+
+    def join(self, high: np.ndarray, low: np.ndarray, bits: np.ndarray) -> None:
+        """``bits[i] = high[i] << 8 | low[i]``: the inverse of :meth:`split`."""
+        if bits.dtype.itemsize != 2 or high.dtype.itemsize != 1 or low.dtype.itemsize != 1:
+            raise TypeError(f"join takes uint8 planes and uint16 bits, got {high.dtype}, {low.dtype}, {bits.dtype}")
+        if not (bits.size == high.size == low.size) or not self.accepts(bits, high, low):
+            raise ValueError("join needs contiguous, aligned arrays of one length")
+        self._join(high.ctypes.data, low.ctypes.data, bits.ctypes.data, bits.size)
 
     def count_non_finite(self, bits: np.ndarray) -> int:
         """Number of Inf/NaN values among contiguous bf16 bit patterns."""

@@ -31,6 +31,7 @@ from hsx_extractor.storage.compress import (
     encode_bf16_parts,
 )
 from hsx_extractor.storage.layout import MAX_SHARDS
+from hsx_extractor.storage.native import Bf16Kernels
 from hsx_extractor.storage.stored_json import (
     MAX_INDEX,
     ShardFormatError,
@@ -256,10 +257,14 @@ Allocate = Callable[[str, int], np.ndarray]
 
 
 def decode_sample(
-    stored: bytes | memoryview, entry: SampleEntry, verify: bool = True, allocate: Allocate | None = None
+    stored: bytes | memoryview,
+    entry: SampleEntry,
+    verify: bool = True,
+    allocate: Allocate | None = None,
+    kernels: Bf16Kernels | None = None,
 ) -> SampleRecord:
     """The sample an entry describes, from its ``entry.length`` stored bytes; its hidden states decoded
-    into buffers from ``allocate`` when given."""
+    into buffers from ``allocate`` when given, with the native ``kernels`` when given (storage/native.py)."""
     view = memoryview(stored)
     if len(view) != entry.length:
         raise ShardFormatError(f"sample {entry.index}: got {len(view)} bytes, index says {entry.length}")
@@ -271,7 +276,8 @@ def decode_sample(
         try:
             if t.dtype == "BF16":
                 out = allocate(t.name, t.num_values) if allocate is not None else None
-                flat = decode_bf16_array(t.codec, chunk, t.num_values, t.shape[0] if len(t.shape) == 2 else 1, out)
+                rows = t.shape[0] if len(t.shape) == 2 else 1
+                flat = decode_bf16_array(t.codec, chunk, t.num_values, rows, out, kernels)
             elif t.codec == CODEC_RAW and len(chunk) == t.raw_length:
                 flat = np.frombuffer(chunk, dtype=_DTYPES[t.dtype]).copy()
             else:

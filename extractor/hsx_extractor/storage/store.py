@@ -419,7 +419,7 @@ class Store:
         key = self.shard_object_key(shard)
         data = self.backend.get_range_into(key, header.data_start + entry.offset, _read_buffer(entry.length))
         # Every array decode_sample returns is its own (decoded or copied), so the buffer is free again.
-        return decode_sample(data, entry, verify=verify, allocate=allocate)
+        return decode_sample(data, entry, verify=verify, allocate=allocate, kernels=native.kernels())
 
     def unreferenced_shard_objects(self, commits: Iterable[ShardCommit]) -> list[str]:
         """Shard objects no commit record names: left by attempts killed before their record."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from hsx_extractor.config import OutputSpec
 from hsx_extractor.run.plan import PLAN_NAME, PlanMismatch, planned_shards
+from hsx_extractor.storage import native
 from hsx_extractor.storage.backends import PermanentStoreError, StoreError
 from hsx_extractor.storage.commit_record import ShardCommit
 from hsx_extractor.storage.layout import MANIFEST_NAME, InvalidKeyError, split_run_uri
@@ -269,7 +270,7 @@ def _check_stream(store: Store, key: str, header: ShardHeader, report: VerifyRep
             try:
                 if checksum(blob) != entry.checksum:
                     raise ShardFormatError(f"sample {entry.index} ({entry.sample_id}): checksum mismatch")
-                rec = decode_sample(blob, entry, verify=False)
+                rec = decode_sample(blob, entry, verify=False, kernels=native.kernels())
                 add_counts(counts, count_masked(rec.input_ids, rec.loss_mask))
                 report.samples_checked += 1
             except ShardFormatError as exc:
