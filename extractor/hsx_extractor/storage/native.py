@@ -65,20 +65,20 @@ class Bf16Kernels:
     def accepts(*arrays: np.ndarray) -> bool:
         return all(a.flags.c_contiguous and a.flags.aligned for a in arrays)
 
+    def _check_planes(self, kernel: str, bits: np.ndarray, high: np.ndarray, low: np.ndarray) -> None:
+        if bits.dtype.itemsize != 2 or high.dtype.itemsize != 1 or low.dtype.itemsize != 1:
+            raise TypeError(f"{kernel} takes uint16 bits and uint8 planes, got {bits.dtype}, {high.dtype}, {low.dtype}")
+        if not (bits.size == high.size == low.size) or not self.accepts(bits, high, low):
+            raise ValueError(f"{kernel} needs contiguous, aligned arrays of one length")
+
     def split(self, bits: np.ndarray, high: np.ndarray, low: np.ndarray) -> None:
         """``high[i] = bits[i] >> 8`` and ``low[i] = bits[i] & 0xFF`` for flat uint16 ``bits`` and uint8 planes."""
-        if bits.dtype.itemsize != 2 or high.dtype.itemsize != 1 or low.dtype.itemsize != 1:
-            raise TypeError(f"split takes uint16 bits and uint8 planes, got {bits.dtype}, {high.dtype}, {low.dtype}")
-        if not (bits.size == high.size == low.size) or not self.accepts(bits, high, low):
-            raise ValueError("split needs contiguous, aligned arrays of one length")
+        self._check_planes("split", bits, high, low)
         self._split(bits.ctypes.data, high.ctypes.data, low.ctypes.data, bits.size)
 
     def join(self, high: np.ndarray, low: np.ndarray, bits: np.ndarray) -> None:
         """``bits[i] = high[i] << 8 | low[i]``: the inverse of :meth:`split`."""
-        if bits.dtype.itemsize != 2 or high.dtype.itemsize != 1 or low.dtype.itemsize != 1:
-            raise TypeError(f"join takes uint8 planes and uint16 bits, got {high.dtype}, {low.dtype}, {bits.dtype}")
-        if not (bits.size == high.size == low.size) or not self.accepts(bits, high, low):
-            raise ValueError("join needs contiguous, aligned arrays of one length")
+        self._check_planes("join", bits, high, low)
         self._join(high.ctypes.data, low.ctypes.data, bits.ctypes.data, bits.size)
 
     def count_non_finite(self, bits: np.ndarray) -> int:
@@ -114,7 +114,7 @@ def describe(found: Bf16Kernels | None) -> str:
     if found is not None:
         return f"native ({found.path})"
     why = f"{LIBRARY_ENV}={LIBRARY_OFF}" if os.environ.get(LIBRARY_ENV) == LIBRARY_OFF else "not built"
-    return f"numpy ({why}: encoding's split and the Inf/NaN scan take more CPU, docs/guide.md)"
+    return f"numpy ({why}: the split, the reader's join and the Inf/NaN scan take more CPU, docs/guide.md)"
 
 
 def build(out_dir: Path, cc: str | None = None) -> Path:
