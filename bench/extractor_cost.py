@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import ROOT
-from hsx_extractor.storage.native import LIBRARY_ENV, LIBRARY_OFF
 
 RESULT = "EXTRACTOR_COST "
 B1_SHARD_MIB = 128  # B1's shards (the product's default shardTargetBytes is 1 GiB)
@@ -198,6 +197,10 @@ def run_extractor_cost(mib: int = 1024, rounds: int = 4, codec: str = "bf16-zstd
     """``against``: another checkout's directory, or ``numpy``: this checkout without its native kernels
     (HSX_NATIVE_LIB=off, storage/native.py)."""
     from bench.common import write_result
+
+    # Here, not at the top: the child that measures another checkout imports this module first, and a
+    # checkout from before the native kernels has no storage.native.
+    from hsx_extractor.storage.native import LIBRARY_ENV, LIBRARY_OFF
 
     result: dict[str, Any] = {
         "what": "hsx extract's own CPU per GB of hidden states into the null S3 sink, steady state",
