@@ -17,6 +17,10 @@ state, so the difference is the change's; ``--against numpy`` runs this checkout
 and over HTTPS, alternating (bench/results/extractor_cost_tls.json), and projects the cores a pod needs at
 1, 3 and 6 GB/s over HTTPS from the HTTPS figure. ``--core-scaling`` instead measures the throughput deep
 into a run with every process on one CPU and on two, alternating (bench/results/extractor_scaling.json).
+
+Deep into a run is measured two ways (``--marginal``): a run of 3x the rows minus a run of the rows (which
+also counts what differs between the two runs' starts and ends, e.g. buffers sized for a smaller last shard),
+and the CPU between two commits inside the long run, past its warm-up and before its tail (``window``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -100,18 +105,73 @@ def workload(name: str, mib: int, marginal: bool, tls: bool = False) -> Iterator
         rmtree(dumps)
 
 
-def _rusage_round(cfg: dict[str, Any], nbytes: int) -> dict[str, float]:
-    """One run's CPU (user, system: seconds per GB of raw states) and rate."""
+@dataclass(frozen=True)
+class _Seal:
+    at: float  # perf_counter
+    usage: resource.struct_rusage
+    bytes_raw: int
+
+
+@contextlib.contextmanager
+def _seal_clock() -> Iterator[list[_Seal]]:
+    """This process's CPU time whenever a shard is committed (ShardBuilder.seal returns), in the order
+    they were committed."""
+    from hsx_extractor.storage.store import ShardBuilder
+
+    seals: list[_Seal] = []
+    lock = threading.Lock()
+    original = ShardBuilder.seal
+
+    def seal(self: Any, *args: Any, **kwargs: Any) -> Any:
+        commit = original(self, *args, **kwargs)
+        with lock:
+            seals.append(_Seal(time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF), commit.bytes_raw))
+        return commit
+
+    ShardBuilder.seal = seal  # type: ignore[method-assign]
+    try:
+        yield seals
+    finally:
+        ShardBuilder.seal = original  # type: ignore[method-assign]
+
+
+WINDOW_SKIP = (2, 2)  # commits left out of the window at its start (warm-up) and end (the run's tail)
+
+
+def _window(seals: list[_Seal]) -> dict[str, float] | None:
+    """CPU per GB between two commits well inside one run: from the end of the warm-up (fresh spool files,
+    part and plane buffers, thread start-up) to before the tail (where encoding has ended and only uploads
+    remain). A shard is committed about one shard after its samples were encoded, in the window's first
+    commit as in its last, so the window holds the work of the shards committed in it. None when the run had
+    too few shards."""
+    first, last = WINDOW_SKIP[0] - 1, len(seals) - 1 - WINDOW_SKIP[1]
+    if last <= first:
+        return None
+    a, b = seals[first], seals[last]
+    gb = sum(s.bytes_raw for s in seals[first + 1 : last + 1]) / 1e9
+    return {
+        "user": (b.usage.ru_utime - a.usage.ru_utime) / gb,
+        "sys": (b.usage.ru_stime - a.usage.ru_stime) / gb,
+        "MBps": gb * 1e3 / (b.at - a.at),
+        "shards": last - first,
+    }
+
+
+def _rusage_round(cfg: dict[str, Any], nbytes: int) -> dict[str, Any]:
+    """One run's CPU (user, system: seconds per GB of raw states) and rate, and (``window``) the same between
+    two commits inside the run (:func:`_window`)."""
     from bench.b1_dataplane import run_extract
 
-    before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    run_extract(cfg)
-    after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
+    with _seal_clock() as seals:
+        before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        run_extract(cfg)
+        after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
     gb = nbytes / 1e9
     return {
         "user": (after.ru_utime - before.ru_utime) / gb,
         "sys": (after.ru_stime - before.ru_stime) / gb,
         "MBps": nbytes / wall / 1e6,
+        "window": _window(sorted(seals, key=lambda s: s.at)),
     }
 
 
@@ -122,16 +182,21 @@ def measure(
     the sink serves HTTPS (a throwaway CA's certificate, which the extractor trusts through AWS_CA_BUNDLE). With
     ``marginal`` each round after the first also runs a dataset 3x as long that starts with the same rows:
     the difference between the two runs is the cost of the extra 2x, without what every run pays once
-    (start-up, fresh threads and their buffers), i.e. the cost per GB deep into a long run. ``shard_mib`` is
-    the shards' target size (B1's by default)."""
-    out: list[dict[str, float]] = []
+    (start-up, fresh threads and their buffers), i.e. the cost per GB deep into a long run; and the long run's
+    own cost between two commits inside it (:func:`_window`, when it has enough shards), which does not count
+    what differs between the two runs' starts and ends. ``shard_mib`` is the shards' target size (B1's by
+    default)."""
+    out: list[dict[str, Any]] = []
     margins: list[dict[str, float]] = []
+    windows: list[dict[str, float]] = []
     with workload("cost", mib, marginal, tls) as w:
         nbytes, long_nbytes = w.raw_bytes, w.long_raw_bytes
         for r in range(rounds):
             out.append(_rusage_round(w.config(f"c{r}", w.rows, codec, shard_mib), nbytes))
             if w.long_rows is not None and r > 0:
                 long = _rusage_round(w.config(f"l{r}", w.long_rows, codec, shard_mib), long_nbytes)
+                if long["window"] is not None:
+                    windows.append(long["window"])
                 extra = (long_nbytes - nbytes) / 1e9
                 margins.append({
                     k: (long[k] * long_nbytes / 1e9 - out[-1][k] * nbytes / 1e9) / extra for k in ("user", "sys")
@@ -154,6 +219,14 @@ def measure(
             "marginal_user_core_s_per_gb": round(statistics.median(m["user"] for m in margins), 3),
             "marginal_sys_core_s_per_gb": round(statistics.median(m["sys"] for m in margins), 3),
             "marginal_MBps": round(statistics.median(m["MBps"] for m in margins)),
+        }
+    if windows:
+        result |= {
+            "window_rounds": windows,
+            "window_core_s_per_gb": round(statistics.median(m["user"] + m["sys"] for m in windows), 3),
+            "window_user_core_s_per_gb": round(statistics.median(m["user"] for m in windows), 3),
+            "window_sys_core_s_per_gb": round(statistics.median(m["sys"] for m in windows), 3),
+            "window_MBps": round(statistics.median(m["MBps"] for m in windows)),
         }
     return result
 
@@ -186,8 +259,10 @@ def _summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
     out = {"raw_bytes": rs[0]["raw_bytes"],
            "core_s_per_gb": round(statistics.median(r["core_s_per_gb"] for r in rs), 3),
            "MBps": round(statistics.median(r["MBps"] for r in rs)), "processes": rs}
-    if all("marginal_core_s_per_gb" in r for r in rs):
-        out["marginal_core_s_per_gb"] = round(statistics.median(r["marginal_core_s_per_gb"] for r in rs), 3)
+    for measure_ in ("marginal", "window"):
+        if all(f"{measure_}_core_s_per_gb" in r for r in rs):
+            for k in ("core_s_per_gb", "user_core_s_per_gb", "sys_core_s_per_gb"):
+                out[f"{measure_}_{k}"] = round(statistics.median(r[f"{measure_}_{k}"] for r in rs), 3)
     return out
 
 
@@ -238,6 +313,9 @@ def run_extractor_cost(mib: int = 1024, rounds: int = 4, codec: str = "bf16-zstd
         if name in result:
             r = result[name]
             deep = f", {r['marginal_core_s_per_gb']:.2f} deep into a run" if "marginal_core_s_per_gb" in r else ""
+            if "window_core_s_per_gb" in r:
+                deep += (f" ({r['window_core_s_per_gb']:.2f} between commits inside the long run: user "
+                         f"{r['window_user_core_s_per_gb']:.2f}, system {r['window_sys_core_s_per_gb']:.2f})")
             print(f"{name:8} {r['core_s_per_gb']:.2f} core-s/GB per run{deep}, {r['MBps']} MB/s", flush=True)
     if tls:
         cores = ", ".join(f"{k}: {v} cores" for k, v in result["projected_cores_https"].items())
