@@ -152,6 +152,25 @@ def test_misbehaving_server_ends_in_the_right_reason(
         assert {protocol.parse_rid(r)[2] for r in faulted} == {0, 1}
 
 
+@pytest.mark.parametrize("compression", ["none", "bf16-zstd", "fp8-e4m3"])
+def test_inf_and_nan_are_quarantined_with_every_codec(tmp_path: Path, ref_server: RefServer, compression: str) -> None:
+    # The dump's values are counted as the shard builder encodes them (one read of each dump): by the
+    # byte-plane split for bf16-zstd, apart for the other codecs.
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(9))
+    ref_server.set_fault("nan", every=3)
+    cfg = base_config(tmp_path, ref_server, dataset, run_id=f"nan-{compression.split('-')[0]}", output__compression=compression)
+    code, result, progress = run(cfg)
+    assert code == EXIT_OK and result is not None and result.manifest is not None
+    samples, quarantined = stored(cfg)
+    assert quarantined == {0: "non_finite", 3: "non_finite", 6: "non_finite"}
+    assert sorted(samples) == [1, 2, 4, 5, 7, 8]
+    details = {q["index"]: q["detail"] for q in result.manifest["quarantine"]}
+    assert all(details[i].endswith(" Inf/NaN values") for i in (0, 3, 6)), details
+    assert progress.quarantined == {"non_finite": 3}
+    assert not [p for p in ref_server.dump_dir.iterdir() if p.name.startswith("hsx-")]  # refused dumps removed too
+    verified(cfg)
+
+
 def test_retry_recovers_a_dropped_dump(tmp_path: Path, ref_server: RefServer) -> None:
     dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(6))
     ref_server.set_fault("drop", every=2, first_attempt_only=True)

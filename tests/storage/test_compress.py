@@ -10,10 +10,12 @@ from hypothesis.extra import numpy as hnp
 
 from hsx_extractor.storage.compress import (
     CODEC_BF16_SPLIT_ZSTD,
+    CODEC_FP8,
     CODEC_RAW,
     SPLIT_CHUNK_VALUES,
     CodecError,
     PlaneBuffers,
+    count_non_finite,
     decode_bf16,
     encode_bf16,
     encode_bf16_parts,
@@ -152,7 +154,7 @@ def test_fp8_falls_back_to_raw_when_rows_are_too_narrow_to_pay_for_their_scales(
 def test_planes_split_into_reused_buffers_equal_a_fresh_split(size: int) -> None:
     bits = np.random.default_rng(size).integers(0, 1 << 16, size, dtype=np.uint16)
     planes = PlaneBuffers()
-    high, low = planes.split(bits)
+    high, low, _ = planes.split(bits)
     want_high, want_low = split_planes(bits)
     assert np.array_equal(high, want_high) and np.array_equal(low, want_low)
 
@@ -160,19 +162,19 @@ def test_planes_split_into_reused_buffers_equal_a_fresh_split(size: int) -> None
 def test_plane_buffers_are_reused_only_after_reuse() -> None:
     planes = PlaneBuffers()
     a = np.arange(1000, dtype=np.uint16)
-    first_high, first_low = planes.split(a)
-    second_high, _ = planes.split(a[:500])  # same sample: new buffers, the first planes stay intact
+    first_high, first_low, _ = planes.split(a)
+    second_high, _, _ = planes.split(a[:500])  # same sample: new buffers, the first planes stay intact
     assert not np.shares_memory(first_high, second_high)
     assert np.array_equal(first_low, split_planes(a)[1])
     planes.reuse()
-    again_high, _ = planes.split(a[::-1].copy())  # next sample: the first buffer again
+    again_high, _, _ = planes.split(a[::-1].copy())  # next sample: the first buffer again
     assert np.shares_memory(again_high, first_high)
     assert np.array_equal(again_high, split_planes(a[::-1].copy())[0])
 
 
 def test_encoding_with_plane_buffers_stores_the_same_bytes() -> None:
     values = np.random.default_rng(7).integers(0x3C00, 0x4200, 5000, dtype=np.uint16)
-    used, parts = encode_bf16_parts(values, CODEC_BF16_SPLIT_ZSTD, PlaneBuffers())
+    used, parts, _ = encode_bf16_parts(values, CODEC_BF16_SPLIT_ZSTD, PlaneBuffers())
     assert (used, b"".join(bytes(p) for p in parts)) == encode_bf16(values, CODEC_BF16_SPLIT_ZSTD)
 
 
@@ -181,11 +183,43 @@ def test_plane_buffers_let_go_of_an_unusually_long_sample(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(compress, "PLANE_BUFFERS_KEPT_BYTES", 4000)
     planes = PlaneBuffers()
-    small_high, _ = planes.split(np.arange(1000, dtype=np.uint16))  # 2,000 bytes of planes: kept
+    small_high, _, _ = planes.split(np.arange(1000, dtype=np.uint16))  # 2,000 bytes of planes: kept
     planes.reuse()
     assert np.shares_memory(planes.split(np.arange(1000, dtype=np.uint16))[0], small_high)
     planes.reuse()
-    long_high, _ = planes.split(np.arange(3000, dtype=np.uint16))  # 6,000 bytes: given up after this sample
+    long_high, _, _ = planes.split(np.arange(3000, dtype=np.uint16))  # 6,000 bytes: given up after this sample
     planes.reuse()
-    again, _ = planes.split(np.arange(1000, dtype=np.uint16))
+    again, _, _ = planes.split(np.arange(1000, dtype=np.uint16))
     assert not np.shares_memory(again, long_high)
+
+
+def test_largest_finite_bf16_is_finite() -> None:
+    assert count_non_finite(np.array([0x7F7F, 0xFF7F, 0x0001, 0x8000], np.uint16)) == 0
+    assert count_non_finite(np.array([0x7F80, 0x7FFF, 0x1], np.uint16)) == 2
+    assert count_non_finite(np.array([0xFF80, 0xFFC1, 0xFF7F, 0x7FC0], np.uint16)) == 3  # -inf, -NaN, NaN
+
+
+def test_non_finite_count_is_the_same_across_chunk_edges() -> None:
+    bits = np.random.default_rng(5).integers(0, 1 << 16, (37, 23), dtype=np.uint16)
+    expected = int(np.count_nonzero((bits & 0x7F80) == 0x7F80))
+    assert expected > 0
+    for chunk in (1, 7, 64, 851, 10_000):
+        assert count_non_finite(bits, chunk=chunk) == expected
+    assert count_non_finite(np.empty((0, 4), np.uint16)) == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 851, 10_000])
+def test_plane_buffers_count_what_count_non_finite_counts(chunk: int) -> None:
+    bits = np.random.default_rng(chunk).integers(0, 1 << 16, (37, 23), dtype=np.uint16)
+    high, low, non_finite = PlaneBuffers(chunk=chunk).split(bits)
+    assert non_finite == count_non_finite(bits) > 0
+    assert np.array_equal(high, split_planes(bits)[0]) and np.array_equal(low, split_planes(bits)[1])
+
+
+@pytest.mark.parametrize("codec", [CODEC_RAW, CODEC_BF16_SPLIT_ZSTD, CODEC_FP8])
+@pytest.mark.parametrize("planes", [False, True])
+def test_every_codec_reports_the_tensors_non_finite_values(codec: str, planes: bool) -> None:
+    values = activations(np.random.default_rng(2), 64, 256)
+    assert encode_bf16_parts(values, codec, PlaneBuffers() if planes else None).non_finite == 0
+    values[3, 5], values[60, 1] = 0x7FC0, 0xFF80  # NaN, -Inf
+    assert encode_bf16_parts(values, codec, PlaneBuffers() if planes else None).non_finite == 2

@@ -17,7 +17,7 @@ from hsx_extractor.config import OutputSpec
 from hsx_extractor.reader import HiddenStatesDataset
 from hsx_extractor.storage.backends import PermanentStoreError, ShardConflictError
 from hsx_extractor.storage.commit_record import QuarantineEntry
-from hsx_extractor.storage.store import open_store
+from hsx_extractor.storage.store import NonFiniteValues, open_store
 from hsx_extractor.storage.uris import open_uri_lines
 from hsx_extractor.tools.verify import run_verify
 from tests.storage.samples import finalize_run, plan_for, record, seq_len_of, write_run
@@ -170,6 +170,25 @@ def test_builder_refuses_bad_use(tmp_path: Path) -> None:
         store.open_shard(1, range(5, 5))
 
 
+@pytest.mark.parametrize("compression", ["none", "bf16-zstd", "fp8-e4m3"])
+def test_a_sample_with_inf_or_nan_is_refused_and_nothing_of_it_is_stored(tmp_path: Path, compression: str) -> None:
+    store = _store(tmp_path, compression)
+    store.put_json_if_absent("plan.json", plan_for(3, 3))
+    builder = store.open_shard(0, range(0, 3))
+    builder.add(record(0, 5))
+    bad = record(1, 5)
+    bad.aux_hidden_states[2, 7], bad.hidden_states[4, 0] = 0x7FC0, 0xFF80  # NaN, -Inf
+    with pytest.raises(NonFiniteValues, match=r"^2 Inf/NaN values$") as refused:
+        builder.add(bad)
+    assert (refused.value.index, refused.value.count) == (1, 2)
+    builder.quarantine(QuarantineEntry(1, "row-1", "non_finite", str(refused.value)))  # the row is still free
+    builder.add(record(2, 5))
+    commit = builder.seal()
+    assert (commit.samples, commit.sample_indices, commit.quarantined) == (2, (0, 2), 1)
+    finalize_run(store, {})
+    assert run_verify(str(tmp_path / "run-1")).ok
+
+
 def test_all_quarantined_shard_commits_empty(tmp_path: Path) -> None:
     store = _store(tmp_path)
     commits = write_run(store, plan_for(4, 2), quarantine=frozenset({2, 3}))
@@ -269,7 +288,7 @@ def test_an_output_directory_the_writer_cannot_write_fails_at_open_naming_the_fi
     out.mkdir()
     out.chmod(0o555)
     code = (
-        "from hsx_extractor.config import OutputSpec; from hsx_extractor.storage.store import open_store; "
+        "from hsx_extractor.config import OutputSpec; from hsx_extractor.storage.store import NonFiniteValues, open_store; "
         f"open_store(OutputSpec.model_validate({{'uri': {str(out)!r}}}), 'r1', writing=WRITING)"
     )
     capless = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--"]

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hsx_extractor.run.validate import count_non_finite
 from hsx_extractor.storage import native
 from hsx_extractor.storage.compress import (
     CODEC_BF16_SPLIT_ZSTD,
     PlaneBuffers,
+    count_non_finite,
     decode_bf16_array,
     encode_bf16,
     join_planes,
@@ -40,9 +40,10 @@ def _random_bits(n: int, seed: int) -> np.ndarray:
 def test_split_matches_numpy_bit_for_bit(kernels: native.Bf16Kernels, n: int) -> None:
     bits = _random_bits(n, n)
     high, low = np.full(n, 7, np.uint8), np.full(n, 7, np.uint8)
-    kernels.split(bits, high, low)
+    non_finite = kernels.split(bits, high, low)
     want_high, want_low = split_planes(bits)
     assert np.array_equal(high, want_high) and np.array_equal(low, want_low)
+    assert non_finite == count_non_finite(bits)
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -68,21 +69,26 @@ def test_plane_buffers_split_natively_into_their_reused_buffers(kernels: native.
     for n in (5000, 300, 5000):
         planes.reuse()
         bits = _random_bits(n, 3 * n).reshape(-1, 100)
-        high, low = planes.split(bits)
+        high, low, non_finite = planes.split(bits)
         want_high, want_low = split_planes(bits)
         assert np.array_equal(high, want_high) and np.array_equal(low, want_low)
+        assert non_finite == count_non_finite(bits) > 0
 
 
 def test_count_non_finite_matches_numpy_on_every_bit_pattern(kernels: native.Bf16Kernels) -> None:
     every = np.arange(1 << 16, dtype=np.uint16)
     # Exponent all ones: 0x7F80-0x7FFF and, with the sign, 0xFF80-0xFFFF.
     assert kernels.count_non_finite(every) == count_non_finite(every) == 256
+    high, low = np.empty(every.size, np.uint8), np.empty(every.size, np.uint8)
+    assert kernels.split(every, high, low) == 256  # the split counts the same values
 
 
 @pytest.mark.parametrize("n", SIZES)
 def test_count_non_finite_counts_past_its_16_bit_blocks(kernels: native.Bf16Kernels, n: int) -> None:
     # All NaN: every block of 0xFFFF values is counted in full (a 16-bit lane must not wrap).
-    assert kernels.count_non_finite(np.full(n, 0x7FC0, np.uint16)) == n
+    nans = np.full(n, 0x7FC0, np.uint16)
+    assert kernels.count_non_finite(nans) == n
+    assert kernels.split(nans, np.empty(n, np.uint8), np.empty(n, np.uint8)) == n
     bits = _random_bits(n, n + 1)
     assert kernels.count_non_finite(bits) == count_non_finite(bits)
 

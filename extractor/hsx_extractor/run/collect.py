@@ -71,13 +71,17 @@ def check_collected(
     capture_layers: tuple[int, ...] | None = None,
     producer: str | None = None,
     final_state: str | None = None,
+    scan_values: bool = True,
 ) -> Dump | Mismatch:
-    """The dump if it is exactly the sample sent as ``rid``, else why not."""
+    """The dump if it is exactly the sample sent as ``rid``, else why not (``scan_values``: see
+    :func:`~hsx_extractor.run.validate.check_dump`)."""
     if isinstance(arrival, Mismatch):
         return arrival
     if isinstance(arrival, ServerRefused):
         return Mismatch(Reason.SERVER_ERROR, f"server: {arrival.reason}: {arrival.message}")
-    mismatch = check_dump(rid, sent_ids, arrival.dump, hidden_size, num_aux, capture_layers, producer, final_state)
+    mismatch = check_dump(
+        rid, sent_ids, arrival.dump, hidden_size, num_aux, capture_layers, producer, final_state, scan_values
+    )
     return mismatch or arrival.dump
 
 

@@ -34,7 +34,7 @@ from hsx_extractor.run.validate import Mismatch, MismatchGate
 from hsx_extractor.storage.backends import StoreError
 from hsx_extractor.storage.commit_record import QuarantineEntry, ShardCommit
 from hsx_extractor.storage.shard_format import SampleRecord
-from hsx_extractor.storage.store import ShardBuilder, Store
+from hsx_extractor.storage.store import NonFiniteValues, ShardBuilder, Store
 
 
 def usable_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> float:
@@ -371,6 +371,9 @@ class ShardWorker:
             self.shape.capture_layers,
             self.producer,
             self.shape.final_state,
+            # A sample checked for consistency has its values checked before its logits are; the others'
+            # are counted as they are encoded (one read of the dump, not two).
+            bool(consistency and positions),
         )
         if isinstance(checked, Mismatch):
             collect.remove(self.cfg.dumpDir, rid)
@@ -389,8 +392,7 @@ class ShardWorker:
             checked.aux_hidden_states,
             checked.hidden_states,
         )
-        await self._resolve(shard, sample.index, record, rid)
-        return None
+        return await self._resolve(shard, sample.index, record, rid)
 
     @property
     def gate(self) -> MismatchGate:
@@ -398,17 +400,22 @@ class ShardWorker:
 
     async def _resolve(
         self, shard_index: int, index: int, item: SampleRecord | QuarantineEntry, rid: str | None = None
-    ) -> None:
-        """Hand one row's result to its shard (on an encode thread); seal the shard when it is full."""
+    ) -> Mismatch | None:
+        """Hand one row's result to its shard (on an encode thread); seal the shard when it is full. A
+        sample whose values are found not finite as they are encoded is not added: its mismatch is returned."""
         loop = asyncio.get_running_loop()
         shard = self.shards[shard_index]
-        full = await loop.run_in_executor(self.ctx.encode_threads, self._add, shard, item, rid)
+        try:
+            full = await loop.run_in_executor(self.ctx.encode_threads, self._add, shard, item, rid)
+        except NonFiniteValues as exc:
+            return Mismatch(Reason.NON_FINITE, str(exc))
         if isinstance(item, SampleRecord):
             self.progress.sample_done(item.seq_len)
         else:
             self.progress.sample_quarantined(item.reason)
         if full:
             await self._seal(shard)
+        return None
 
     async def _seal(self, shard: ShardState) -> None:
         assert shard.builder is not None and shard.stop is not None
@@ -428,12 +435,14 @@ class ShardWorker:
                 else:
                     shard.builder = self.store.open_shard(shard.index, range(shard.start, shard.stop))
             builder = shard.builder
-        if isinstance(item, SampleRecord):
-            builder.add(item)
-        else:
-            builder.quarantine(item)
-        if rid is not None:
-            collect.remove(self.cfg.dumpDir, rid)  # in the shard's spool now; free the shm
+        try:
+            if isinstance(item, SampleRecord):
+                builder.add(item)
+            else:
+                builder.quarantine(item)
+        finally:
+            if rid is not None:
+                collect.remove(self.cfg.dumpDir, rid)  # in the shard's spool now, or refused; free the shm
         with self._shard_lock:
             shard.resolved += 1
             return shard.full

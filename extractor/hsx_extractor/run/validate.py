@@ -2,6 +2,8 @@
 
 A dump is accepted only whole: same ids as sent, one row per token in both tensors, every value
 finite. Anything else is a mismatch with its reason; nothing is truncated, padded or re-aligned.
+The values are checked here, or (``scan_values=False``) by the shard builder as it encodes them
+(storage.store.NonFiniteValues): one read of a dump instead of two.
 """
 
 from __future__ import annotations
@@ -14,12 +16,7 @@ import numpy as np
 from hsx_extractor.protocol import Dump
 from hsx_extractor.reasons import Reason
 from hsx_extractor.storage import native
-
-# A bf16 value is Inf or NaN exactly when its 8 exponent bits are all ones, i.e. when its bits without
-# the sign are at least 0x7F80.
-_BF16_NO_SIGN = np.uint16(0x7FFF)
-_BF16_FIRST_NON_FINITE = np.uint16(0x7F80)
-_CHUNK_VALUES = 1 << 18  # bench/stages.py: 64K chunks re-took the GIL too often (two threads slower than one)
+from hsx_extractor.storage.compress import count_non_finite
 
 
 class DumpShapeError(RuntimeError):
@@ -34,27 +31,6 @@ class Mismatch:
     detail: str
 
 
-def count_non_finite(bf16_bits: np.ndarray, chunk: int = _CHUNK_VALUES, kernels: native.Bf16Kernels | None = None) -> int:
-    """Number of Inf/NaN values in an array of bf16 bit patterns; with ``kernels`` (storage/native.py) in
-    one native pass without the GIL, else with numpy, ``chunk`` values at a time."""
-    flat = bf16_bits.reshape(-1)
-    if kernels is not None and kernels.accepts(flat):
-        return kernels.count_non_finite(flat)
-    # Chunks with reused buffers stay in cache: ~15x faster than whole-array temporaries,
-    # which cost two passes over fresh memory as large as the dump (bench/b1_dataplane.py).
-    # A chunk's maximum rules out the (rare) bad values in two passes instead of three: 0.10 -> 0.065
-    # core-s/GB; only a chunk that has one is counted.
-    masked = np.empty(min(chunk, flat.size), dtype=np.uint16)
-    count = 0
-    for start in range(0, flat.size, chunk):
-        part = flat[start : start + chunk]
-        m = masked[: part.size]
-        np.bitwise_and(part, _BF16_NO_SIGN, out=m)
-        if m.size and m.max() >= _BF16_FIRST_NON_FINITE:
-            count += int(np.count_nonzero(m >= _BF16_FIRST_NON_FINITE))
-    return count
-
-
 def check_dump(
     rid: str,
     sent_ids: np.ndarray,
@@ -64,8 +40,11 @@ def check_dump(
     capture_layers: tuple[int, ...] | None = None,
     producer: str | None = None,
     final_state: str | None = None,
+    scan_values: bool = True,
 ) -> Mismatch | None:
-    """None when ``dump`` is exactly the sample sent as ``rid``; otherwise the mismatch.
+    """None when ``dump`` is exactly the sample sent as ``rid``; otherwise the mismatch. With
+    ``scan_values=False`` its values are not checked for Inf/NaN here: the caller stores the dump with a
+    shard builder, which refuses them.
 
     A dump of another shape, of other layers than ``capture_layers``, from another producer than
     ``producer`` or of another final state than ``final_state`` (each when given) raises
@@ -103,6 +82,8 @@ def check_dump(
     rows = (dump.aux_hidden_states.shape[0], dump.hidden_states.shape[0])
     if rows != (length, length):
         return Mismatch(Reason.LENGTH_MISMATCH, f"{length} tokens but aux/final rows {rows[0]}/{rows[1]}")
+    if not scan_values:
+        return None
     kernels = native.kernels()
     bad = count_non_finite(dump.aux_hidden_states, kernels=kernels) + count_non_finite(dump.hidden_states, kernels=kernels)
     if bad:

@@ -1,5 +1,5 @@
 /* hsx's native bf16 kernels: the byte-plane split of the bf16-split-zstd codec and its inverse (the
- * reader's join), and the Inf/NaN count of dump validation. storage/native.py builds and loads this
+ * reader's join), and the Inf/NaN count of dump validation (also made by the split). storage/native.py builds and loads this
  * file and calls it through ctypes, which releases the GIL for the call; numpy does the same work
  * where it is not built (bit-identical). Plain C99, no Python headers: one library serves every Python. */
 #include <stddef.h>
@@ -13,16 +13,32 @@
 #endif
 
 /* Bumped when a signature changes: the loader refuses a library built from another version. */
-uint32_t hsx_bf16_abi(void) { return 2; }
+uint32_t hsx_bf16_abi(void) { return 3; }
 
-/* high[i] = bits[i] >> 8, low[i] = bits[i] & 0xFF: one pass, no temporaries. */
+/* A bf16 value is Inf or NaN exactly when its 8 exponent bits are all ones. */
+static inline uint16_t non_finite(uint16_t v) { return (uint16_t)((v & 0x7FFFu) >= 0x7F80u); }
+
+/* Counts are kept per block small enough for a 16-bit lane to hold them, so the loops vectorise
+ * without widening every compare. */
+#define COUNT_BLOCK 0xFFFFu
+
+/* high[i] = bits[i] >> 8, low[i] = bits[i] & 0xFF in one pass, no temporaries; returns the number of
+ * Inf/NaN values, counted while the values are read anyway (dump validation without a second pass). */
 HSX_CLONES
-void hsx_bf16_split(const uint16_t *restrict bits, uint8_t *restrict high, uint8_t *restrict low, size_t n) {
-    for (size_t i = 0; i < n; i++) {
-        uint16_t v = bits[i];
-        high[i] = (uint8_t)(v >> 8);
-        low[i] = (uint8_t)v;
+size_t hsx_bf16_split(const uint16_t *restrict bits, uint8_t *restrict high, uint8_t *restrict low, size_t n) {
+    size_t total = 0;
+    for (size_t start = 0; start < n; start += COUNT_BLOCK) {
+        size_t end = n - start < COUNT_BLOCK ? n : start + COUNT_BLOCK;
+        uint16_t count = 0;
+        for (size_t i = start; i < end; i++) {
+            uint16_t v = bits[i];
+            high[i] = (uint8_t)(v >> 8);
+            low[i] = (uint8_t)v;
+            count += non_finite(v);
+        }
+        total += count;
     }
+    return total;
 }
 
 /* bits[i] = high[i] << 8 | low[i]: the inverse of hsx_bf16_split, in one pass over the output. */
@@ -32,16 +48,15 @@ void hsx_bf16_join(const uint8_t *restrict high, const uint8_t *restrict low, ui
         bits[i] = (uint16_t)((uint16_t)high[i] << 8 | low[i]);
 }
 
-/* Values whose 8 exponent bits are all ones (Inf or NaN). Counted in blocks small enough for a 16-bit
- * lane to hold the count, so the loop vectorises without widening every compare. */
+/* The number of Inf/NaN values. */
 HSX_CLONES
 size_t hsx_bf16_count_non_finite(const uint16_t *restrict bits, size_t n) {
     size_t total = 0;
-    for (size_t start = 0; start < n; start += 0xFFFF) {
-        size_t end = n - start < 0xFFFF ? n : start + 0xFFFF;
+    for (size_t start = 0; start < n; start += COUNT_BLOCK) {
+        size_t end = n - start < COUNT_BLOCK ? n : start + COUNT_BLOCK;
         uint16_t count = 0;
         for (size_t i = start; i < end; i++)
-            count += (uint16_t)((bits[i] & 0x7FFFu) >= 0x7F80u);
+            count += non_finite(bits[i]);
         total += count;
     }
     return total;

@@ -15,7 +15,7 @@ float32 scales (storage/fp8.py); it decodes to the bf16 nearest to each dequanti
 from __future__ import annotations
 
 import threading
-from typing import Final
+from typing import Final, NamedTuple
 
 import numpy as np
 import zstandard
@@ -62,6 +62,37 @@ def _as_bf16_bits(values: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(values).reshape(-1).astype("<u2", copy=False)
 
 
+# A bf16 value is Inf or NaN exactly when its 8 exponent bits are all ones, i.e. when its bits without
+# the sign are at least 0x7F80.
+_BF16_NO_SIGN = np.uint16(0x7FFF)
+_BF16_FIRST_NON_FINITE = np.uint16(0x7F80)
+COUNT_CHUNK_VALUES: Final = 1 << 18  # bench/stages.py: 64K chunks re-took the GIL too often (two threads slower than one)
+
+
+def _count_chunk(part: np.ndarray, scratch: np.ndarray) -> int:
+    # A chunk's maximum rules out the (rare) bad values in two passes instead of three: 0.10 -> 0.065
+    # core-s/GB; only a chunk that has one is counted.
+    masked = scratch[: part.size]
+    np.bitwise_and(part, _BF16_NO_SIGN, out=masked)
+    if masked.size and masked.max() >= _BF16_FIRST_NON_FINITE:
+        return int(np.count_nonzero(masked >= _BF16_FIRST_NON_FINITE))
+    return 0
+
+
+def count_non_finite(
+    bf16_bits: np.ndarray, chunk: int = COUNT_CHUNK_VALUES, kernels: native.Bf16Kernels | None = None
+) -> int:
+    """Number of Inf/NaN values in an array of bf16 bit patterns; with ``kernels`` (storage/native.py) in
+    one native pass without the GIL, else with numpy, ``chunk`` values at a time."""
+    flat = bf16_bits.reshape(-1)
+    if kernels is not None and kernels.accepts(flat):
+        return kernels.count_non_finite(flat)
+    # Chunks with reused buffers stay in cache: ~15x faster than whole-array temporaries,
+    # which cost two passes over fresh memory as large as the dump (bench/b1_dataplane.py).
+    scratch = np.empty(min(chunk, flat.size), dtype=np.uint16)
+    return sum(_count_chunk(flat[start : start + chunk], scratch) for start in range(0, flat.size, chunk))
+
+
 def split_planes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(high bytes, low bytes) of bf16 bits, as contiguous uint8 arrays."""
     bits = _as_bf16_bits(values)
@@ -72,6 +103,14 @@ def split_planes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # Planes kept per encoding thread between samples (a 4K-token sample at H=7168 with 3 aux layers needs 235 MB).
 PLANE_BUFFERS_KEPT_BYTES: Final = 256 << 20
 SPLIT_CHUNK_VALUES: Final = 1 << 18  # bench/stages.py: 64K chunks re-took the GIL too often (x1.1 on 2 threads)
+
+
+class Planes(NamedTuple):
+    """A split tensor: its byte planes, and how many of its values are Inf or NaN (counted as they are read)."""
+
+    high: np.ndarray
+    low: np.ndarray
+    non_finite: int
 
 
 class PlaneBuffers:
@@ -105,21 +144,27 @@ class PlaneBuffers:
         self._taken += 1
         return out
 
-    def split(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Like :func:`split_planes`, into this object's buffers: in one native pass, or with numpy a
-        cache-sized chunk at a time."""
+    @property
+    def kernels(self) -> native.Bf16Kernels | None:
+        return self._kernels
+
+    def split(self, values: np.ndarray) -> Planes:
+        """Like :func:`split_planes`, into this object's buffers, with the Inf/NaN count of
+        :func:`count_non_finite` made on the way: in one native pass, or with numpy a cache-sized chunk
+        at a time."""
         bits = _as_bf16_bits(values)
         high, low = self._take(bits.size), self._take(bits.size)
         if self._kernels is not None and self._kernels.accepts(bits):
-            self._kernels.split(bits, high, low)  # one pass, without the GIL
-            return high, low
+            return Planes(high, low, self._kernels.split(bits, high, low))  # one pass, without the GIL
+        non_finite = 0
         for start in range(0, bits.size, self._chunk):
             part = bits[start : start + self._chunk]
             shifted = self._shift[: part.size]
             np.right_shift(part, 8, out=shifted)
             np.copyto(high[start : start + part.size], shifted, casting="unsafe")
             np.copyto(low[start : start + part.size], part, casting="unsafe")
-        return high, low
+            non_finite += _count_chunk(part, shifted)  # the chunk is still in cache
+        return Planes(high, low, non_finite)
 
 
 def join_planes(
@@ -144,27 +189,39 @@ def join_planes(
     return bits
 
 
-def encode_bf16_parts(
-    values: np.ndarray, codec: str, planes: PlaneBuffers | None = None
-) -> tuple[str, list[bytes | memoryview]]:
-    """Like :func:`encode_bf16`, but the stored bytes as buffers to concatenate (saves a copy).
-    With ``planes`` the low plane returned lives in its buffers (valid until it is reused)."""
+class EncodedTensor(NamedTuple):
+    codec: str  # the codec used (raw where the one asked for does not pay)
+    parts: list[bytes | memoryview]  # the stored bytes, to concatenate
+    non_finite: int  # Inf/NaN values in the tensor (counted where the encoding reads them, else apart)
+
+
+def encode_bf16_parts(values: np.ndarray, codec: str, planes: PlaneBuffers | None = None) -> EncodedTensor:
+    """Like :func:`encode_bf16`, but the stored bytes as buffers to concatenate (saves a copy), and the
+    tensor's Inf/NaN count: the byte-plane split counts them as it reads the values, the other codecs
+    count them apart. With ``planes`` the low plane returned lives in its buffers (valid until it is
+    reused), and their kernels count."""
     bits = _as_bf16_bits(values)
+    kernels = planes.kernels if planes is not None else None
     if codec == CODEC_RAW or bits.size == 0:
-        return CODEC_RAW, [bits.data.cast("B")]
+        return EncodedTensor(CODEC_RAW, [bits.data.cast("B")], count_non_finite(bits, kernels=kernels))
     if codec == CODEC_FP8:
+        non_finite = count_non_finite(bits, kernels=kernels)
         rows = values.shape[0] if values.ndim == 2 else 1
-        if fp8.encoded_length(bits.size, rows) >= 2 * bits.size:  # narrow rows: scales cost more
-            return CODEC_RAW, [bits.data.cast("B")]
+        # Narrow rows: the scales cost more. Inf/NaN: e4m3 has no Inf, and such a tensor is not stored.
+        if non_finite or fp8.encoded_length(bits.size, rows) >= 2 * bits.size:
+            return EncodedTensor(CODEC_RAW, [bits.data.cast("B")], non_finite)
         codes, scales = fp8.quantize(protocol.bf16_bits_to_f32(bits).reshape(rows, -1))
-        return CODEC_FP8, [codes.reshape(-1).data, scales.astype("<f4").data.cast("B")]
+        return EncodedTensor(CODEC_FP8, [codes.reshape(-1).data, scales.astype("<f4").data.cast("B")], non_finite)
     if codec != CODEC_BF16_SPLIT_ZSTD:
         raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
-    high, low = planes.split(bits) if planes is not None else split_planes(bits)
+    if planes is not None:
+        high, low, non_finite = planes.split(bits)
+    else:
+        (high, low), non_finite = split_planes(bits), count_non_finite(bits)
     frame = _cctx().compress(high.data)
     if len(frame) + low.size >= 2 * bits.size:  # does not pay: store raw
-        return CODEC_RAW, [bits.data.cast("B")]
-    return CODEC_BF16_SPLIT_ZSTD, [frame, low.data]
+        return EncodedTensor(CODEC_RAW, [bits.data.cast("B")], non_finite)
+    return EncodedTensor(CODEC_BF16_SPLIT_ZSTD, [frame, low.data], non_finite)
 
 
 def encode_bf16(values: np.ndarray, codec: str) -> tuple[str, bytes]:
@@ -172,7 +229,7 @@ def encode_bf16(values: np.ndarray, codec: str) -> tuple[str, bytes]:
 
     ``bf16-split-zstd`` falls back to ``raw`` when it would not make the tensor smaller.
     """
-    used, parts = encode_bf16_parts(values, codec)
+    used, parts, _ = encode_bf16_parts(values, codec)
     return used, b"".join(parts)
 
 

@@ -31,7 +31,7 @@ LIBRARY_ENV: Final = "HSX_NATIVE_LIB"
 LIBRARY_OFF: Final = "off"
 LIBRARY_NAME: Final = "_hsx_bf16.so"
 SOURCE: Final = Path(__file__).with_name("bf16_kernels.c")
-ABI: Final = 2  # hsx_bf16_abi() of a library built from this checkout's bf16_kernels.c
+ABI: Final = 3  # hsx_bf16_abi() of a library built from this checkout's bf16_kernels.c
 CFLAGS: Final = ("-O3", "-shared", "-fPIC", "-std=c99", "-Wall", "-Wextra", "-Werror")
 
 
@@ -53,7 +53,7 @@ class Bf16Kernels:
         self.path = path
         self._split = lib.hsx_bf16_split
         self._split.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        self._split.restype = None
+        self._split.restype = ctypes.c_size_t
         self._join = lib.hsx_bf16_join
         self._join.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
         self._join.restype = None
@@ -71,10 +71,11 @@ class Bf16Kernels:
         if not (bits.size == high.size == low.size) or not self.accepts(bits, high, low):
             raise ValueError(f"{kernel} needs contiguous, aligned arrays of one length")
 
-    def split(self, bits: np.ndarray, high: np.ndarray, low: np.ndarray) -> None:
-        """``high[i] = bits[i] >> 8`` and ``low[i] = bits[i] & 0xFF`` for flat uint16 ``bits`` and uint8 planes."""
+    def split(self, bits: np.ndarray, high: np.ndarray, low: np.ndarray) -> int:
+        """``high[i] = bits[i] >> 8`` and ``low[i] = bits[i] & 0xFF`` for flat uint16 ``bits`` and uint8 planes;
+        returns the number of Inf/NaN values among ``bits`` (:meth:`count_non_finite`, in the same pass)."""
         self._check_planes("split", bits, high, low)
-        self._split(bits.ctypes.data, high.ctypes.data, low.ctypes.data, bits.size)
+        return int(self._split(bits.ctypes.data, high.ctypes.data, low.ctypes.data, bits.size))
 
     def join(self, high: np.ndarray, low: np.ndarray, bits: np.ndarray) -> None:
         """``bits[i] = high[i] << 8 | low[i]``: the inverse of :meth:`split`."""

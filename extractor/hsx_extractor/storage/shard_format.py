@@ -215,6 +215,7 @@ class EncodedSample:
 
     entry: SampleEntry
     parts: tuple[bytes | memoryview, ...]  # the stored bytes, in order, not yet concatenated
+    non_finite: int = 0  # Inf/NaN values among its hidden states (a shard stores none: ShardBuilder.add)
 
     @property
     def payload(self) -> bytes:
@@ -225,16 +226,18 @@ _LOGICAL_DTYPE = {INPUT_IDS: "I32", LOSS_MASK: "U8", AUX: "BF16", FINAL: "BF16"}
 
 
 def encode_sample(rec: SampleRecord, codec: str, planes: PlaneBuffers | None = None) -> EncodedSample:
-    """Stored bytes of one sample; hidden states with ``codec``, ids and mask raw. With ``planes``,
-    parts may live in its buffers: write them out before the buffers are reused."""
+    """Stored bytes of one sample; hidden states with ``codec``, ids and mask raw, and how many of its
+    hidden-state values are Inf or NaN. With ``planes``, parts may live in its buffers: write them out
+    before the buffers are reused."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
     parts: list[bytes | memoryview] = []
     tensors: list[TensorEntry] = []
-    offset = 0
+    offset = non_finite = 0
     for name, array in rec.tensors().items():
         if _LOGICAL_DTYPE[name] == "BF16":
-            used, stored = encode_bf16_parts(array, codec, planes)
+            used, stored, bad = encode_bf16_parts(array, codec, planes)
+            non_finite += bad
         else:
             raw = np.ascontiguousarray(array, dtype=_DTYPES[_LOGICAL_DTYPE[name]])
             used, stored = CODEC_RAW, [raw.data.cast("B")]
@@ -248,7 +251,7 @@ def encode_sample(rec: SampleRecord, codec: str, planes: PlaneBuffers | None = N
         digest.update(part)
     length = offset + len(parts[-1])
     entry = SampleEntry(rec.index, rec.sample_id, 0, length, rec.seq_len, digest.hexdigest(), tuple(tensors))
-    return EncodedSample(entry, tuple(parts))
+    return EncodedSample(entry, tuple(parts), non_finite)
 
 
 # Gives the buffer a decoded hidden-state tensor is written into: (tensor name, number of bf16 values) ->

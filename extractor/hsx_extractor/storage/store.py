@@ -91,8 +91,17 @@ def _read_buffer(length: int) -> memoryview:
     return memoryview(kept)[:length]
 
 
+class NonFiniteValues(ValueError):
+    """A sample's hidden states hold Inf or NaN values: a shard does not store it (nothing of it was added)."""
+
+    def __init__(self, index: int, count: int) -> None:
+        super().__init__(f"{count} Inf/NaN values")
+        self.index, self.count = index, count
+
+
 class ShardBuilder:
-    """Collects one shard's samples in a spool file, then seals (encodes, uploads, commits) it."""
+    """Collects one shard's samples in a spool file, then seals (encodes, uploads, commits) it.
+    Only samples whose hidden states are all finite are stored."""
 
     def __init__(self, store: Store, shard_index: int, start: int, stop: int | None, codec: str):
         self._store = store
@@ -119,9 +128,14 @@ class ShardBuilder:
             raise ValueError(f"sample index {index} was already added to shard {self.shard_index}")
 
     def add(self, sample: SampleRecord) -> None:
+        """Encode and spool one sample; raises :class:`NonFiniteValues` (adding nothing) when its hidden
+        states hold Inf or NaN: the encoding counts them as it reads the values, so a dump checked without
+        its values (run.validate.check_dump's ``scan_values``) is read once, not twice."""
         planes = _thread_planes()
         planes.reuse()  # this thread's previous sample is in its spool already
         encoded = encode_sample(sample, self._codec, planes)  # CPU work outside the lock
+        if encoded.non_finite:
+            raise NonFiniteValues(sample.index, encoded.non_finite)
         counts = count_masked(sample.input_ids, sample.loss_mask)
         norms = sample_norm_sums(sample.aux_hidden_states, sample.hidden_states, sample.hidden_states.shape[1])
         with self._lock:
