@@ -293,7 +293,8 @@ def run_extractor_cost(mib: int = 1024, rounds: int = 4, codec: str = "bf16-zstd
             runs["https"].append(in_process(ROOT, mib, rounds, codec, tls=True, marginal=marginal, shard_mib=shard_mib))
         result |= {name: _summary(rs) for name, rs in runs.items()}
         result["https_over_http"] = round(result["https"]["core_s_per_gb"] / result["http"]["core_s_per_gb"], 3)
-        per_gb = result["https"].get("marginal_core_s_per_gb", result["https"]["core_s_per_gb"])
+        https = result["https"]
+        per_gb = https.get("window_core_s_per_gb", https.get("marginal_core_s_per_gb", https["core_s_per_gb"]))
         result["projected_cores_https"] = {f"{gbps} GB/s": round(gbps * per_gb, 1) for gbps in PROJECTED_GBPS}
     elif against is None:
         result["this"] = in_process(ROOT, mib, rounds, codec, marginal=marginal, shard_mib=shard_mib)

@@ -6,14 +6,15 @@ One sample's dump (3 aux layers + final, bf16, activation-like values as bench_c
 written to /dev/shm as the server writes it, then each stage runs as the extractor runs it, on hsx's own code:
 
   map       protocol-style read-only mapping with MAP_POPULATE (page-table work of the dump)
-  validate  run.validate.count_non_finite (the Inf/NaN scan)
+  validate  storage.compress.count_non_finite (the Inf/NaN scan where the encoding does not make it)
   split     storage.compress.split_planes (bf16 -> high and low byte planes, fresh arrays), and the
             extractor's way since issue 17: PlaneBuffers.split (chunked, into per-thread reused buffers)
   zstd      the codec's zstd on the high plane (storage.compress._cctx)
   xxh3      the sample checksum (storage.shard_format.checksum) over the encoded bytes
   encode    all of a sample's encoding as ShardBuilder.add runs it (storage.shard_format.encode_sample
             with per-thread PlaneBuffers: split, zstd, xxh3), the work the encode threads share
-  native    validate, split and encode with the native kernels (storage/native.py), when they are built
+  native    validate, split and encode with the native kernels (storage/native.py), when they are built;
+            the native split also counts the Inf/NaN values (the extractor's validation for bf16-zstd)
   spool     writing the encoded bytes to the shard spool: into a reused file or a fresh one, on tmpfs
             (/dev/shm) and on disk ($TMPDIR or /var/tmp), the choice of issue 17 item 6
 
@@ -43,13 +44,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "extractor"))
 from bench.bench_compression import activation_like
 from bench.common import rmtree, scratch, write_result
-from hsx_extractor.run.validate import count_non_finite
 from hsx_extractor.storage import native
 from hsx_extractor.storage.compress import (
     CODEC_BF16_SPLIT_ZSTD,
     SPLIT_CHUNK_VALUES,
     PlaneBuffers,
     _cctx,
+    count_non_finite,
     split_planes,
 )
 from hsx_extractor.storage.shard_format import SampleRecord, checksum, encode_sample

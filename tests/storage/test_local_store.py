@@ -17,7 +17,8 @@ from hsx_extractor.config import OutputSpec
 from hsx_extractor.reader import HiddenStatesDataset
 from hsx_extractor.storage.backends import PermanentStoreError, ShardConflictError
 from hsx_extractor.storage.commit_record import QuarantineEntry
-from hsx_extractor.storage.store import NonFiniteValues, open_store
+from hsx_extractor.storage.shard_format import NonFiniteValues
+from hsx_extractor.storage.store import open_store
 from hsx_extractor.storage.uris import open_uri_lines
 from hsx_extractor.tools.verify import run_verify
 from tests.storage.samples import finalize_run, plan_for, record, seq_len_of, write_run
@@ -288,7 +289,7 @@ def test_an_output_directory_the_writer_cannot_write_fails_at_open_naming_the_fi
     out.mkdir()
     out.chmod(0o555)
     code = (
-        "from hsx_extractor.config import OutputSpec; from hsx_extractor.storage.store import NonFiniteValues, open_store; "
+        "from hsx_extractor.config import OutputSpec; from hsx_extractor.storage.store import open_store; "
         f"open_store(OutputSpec.model_validate({{'uri': {str(out)!r}}}), 'r1', writing=WRITING)"
     )
     capless = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--"]

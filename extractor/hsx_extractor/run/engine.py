@@ -33,8 +33,8 @@ from hsx_extractor.run.sources import DatasetError
 from hsx_extractor.run.validate import Mismatch, MismatchGate
 from hsx_extractor.storage.backends import StoreError
 from hsx_extractor.storage.commit_record import QuarantineEntry, ShardCommit
-from hsx_extractor.storage.shard_format import SampleRecord
-from hsx_extractor.storage.store import NonFiniteValues, ShardBuilder, Store
+from hsx_extractor.storage.shard_format import NonFiniteValues, SampleRecord
+from hsx_extractor.storage.store import ShardBuilder, Store
 
 
 def usable_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> float:

@@ -3,7 +3,7 @@
 A dump is accepted only whole: same ids as sent, one row per token in both tensors, every value
 finite. Anything else is a mismatch with its reason; nothing is truncated, padded or re-aligned.
 The values are checked here, or (``scan_values=False``) by the shard builder as it encodes them
-(storage.store.NonFiniteValues): one read of a dump instead of two.
+(storage.shard_format.NonFiniteValues): one read of a dump instead of two.
 """
 
 from __future__ import annotations

@@ -209,6 +209,15 @@ class SampleEntry:
         )
 
 
+class NonFiniteValues(ValueError):
+    """A sample's hidden states hold Inf or NaN values: a shard does not store it
+    (ShardBuilder.add refuses it, adding nothing)."""
+
+    def __init__(self, index: int, count: int) -> None:
+        super().__init__(f"{count} Inf/NaN values")
+        self.index, self.count = index, count
+
+
 @dataclass(frozen=True)
 class EncodedSample:
     """A sample's stored bytes and its index row (offset still 0: set when the shard is laid out)."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -46,6 +46,7 @@ from hsx_extractor.storage.manifest import build_manifest
 from hsx_extractor.storage.shard_format import (
     COMPRESSION_CODECS,
     Allocate,
+    NonFiniteValues,
     SampleEntry,
     SampleRecord,
     ShardFormatError,
@@ -59,9 +60,6 @@ from hsx_extractor.storage.shard_format import (
 from hsx_extractor.storage.spool import SpooledObject, SpoolFiles, pwrite_all
 from hsx_extractor.storage.stored_json import load_json
 from hsx_extractor.storage.token_counts import add_counts, count_masked
-
-if TYPE_CHECKING:
-    pass
 
 HEAD_PROBE_BYTES = 64 << 10  # first read of a shard; usually holds the whole header
 MAX_NAMED_JSON_BYTES = 1 << 30  # plan.json and manifest.json: beyond this, damage
@@ -89,14 +87,6 @@ def _read_buffer(length: int) -> memoryview:
     if kept is None or len(kept) < length:
         kept = _local.read_buffer = bytearray(length)
     return memoryview(kept)[:length]
-
-
-class NonFiniteValues(ValueError):
-    """A sample's hidden states hold Inf or NaN values: a shard does not store it (nothing of it was added)."""
-
-    def __init__(self, index: int, count: int) -> None:
-        super().__init__(f"{count} Inf/NaN values")
-        self.index, self.count = index, count
 
 
 class ShardBuilder:
@@ -128,9 +118,8 @@ class ShardBuilder:
             raise ValueError(f"sample index {index} was already added to shard {self.shard_index}")
 
     def add(self, sample: SampleRecord) -> None:
-        """Encode and spool one sample; raises :class:`NonFiniteValues` (adding nothing) when its hidden
-        states hold Inf or NaN: the encoding counts them as it reads the values, so a dump checked without
-        its values (run.validate.check_dump's ``scan_values``) is read once, not twice."""
+        """Encode and spool one sample; raises NonFiniteValues (adding nothing) when its hidden states hold
+        Inf or NaN, counted as the encoding reads them (so validation need not read them first)."""
         planes = _thread_planes()
         planes.reuse()  # this thread's previous sample is in its spool already
         encoded = encode_sample(sample, self._codec, planes)  # CPU work outside the lock
