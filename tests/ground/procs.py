@@ -27,6 +27,47 @@ def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+SHM = Path("/dev/shm")
+MP_SEMAPHORES = "sem.mp-*"  # multiprocessing's named semaphores (spawn and forkserver start methods)
+
+
+def semaphores() -> set[str]:
+    """The names of multiprocessing's named semaphores in /dev/shm now."""
+    return {p.name for p in SHM.glob(MP_SEMAPHORES)}
+
+
+def _mapped_shm_inodes() -> set[int]:
+    """Inodes of /dev/shm files some live process maps (glibc maps a semaphore under a temporary name
+    before linking it to its own, so the inode, not the name, identifies it)."""
+    found: set[int] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # gone, or not ours to read
+            continue
+        for line in text.splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(f"{SHM}/"):
+                found.add(int(fields[4]))
+    return found
+
+
+def remove_orphaned_semaphores(before: set[str]) -> list[str]:
+    """Remove the named semaphores that appeared since ``before`` and no live process has open: what a
+    process tree leaves in /dev/shm when it is killed with its resource tracker (SGLang's shutdown kills
+    its whole tree), which would otherwise outlive the test. Returns their names."""
+    mapped = _mapped_shm_inodes()
+    orphans = []
+    for name in sorted(semaphores() - before):
+        try:
+            if (SHM / name).stat().st_ino not in mapped:
+                (SHM / name).unlink()
+                orphans.append(name)
+        except FileNotFoundError:
+            pass
+    return orphans
+
+
 class ManagedProcess:
     """One component (etcd, kube-apiserver, ...) started in its own process group."""
 
