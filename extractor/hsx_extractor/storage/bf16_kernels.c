@@ -1,7 +1,8 @@
 /* hsx's native bf16 kernels: the byte-plane split of the bf16-split-zstd codec and its inverse (the
- * reader's join), and the Inf/NaN count of dump validation (also made by the split). storage/native.py builds and loads this
- * file and calls it through ctypes, which releases the GIL for the call; numpy does the same work
- * where it is not built (bit-identical). Plain C99, no Python headers: one library serves every Python. */
+ * reader's join), and the Inf/NaN count of dump validation (which the split also makes).
+ * storage/native.py builds and loads this file and calls it through ctypes, which releases the GIL for
+ * the call; numpy does the same work where it is not built (bit-identical). Plain C99, no Python
+ * headers: one library serves every Python. */
 #include <stddef.h>
 #include <stdint.h>
 
