@@ -201,7 +201,7 @@ class ShardWorker:
                     if isinstance(event, ShardCut):
                         if not self._cut(event):
                             continue
-                        task = group.create_task(self._seal(self.shards[event.shard]))
+                        task: asyncio.Task[Any] = group.create_task(self._seal(self.shards[event.shard]))
                     elif isinstance(item := self._arrived(event), Rejected):
                         entry = _quarantine(item.index, item.sample_id, item.reason, item.detail, item.line)
                         task = group.create_task(self._resolve(event.shard, item.index, entry))
