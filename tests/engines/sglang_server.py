@@ -23,7 +23,7 @@ from typing import Any
 
 from hsx_extractor.sglang_hook.launch import server_args, server_env
 from tests.engines.sglang_venv import process_env, venv_python
-from tests.ground.procs import remove_orphaned_semaphores, semaphores
+from tests.ground.procs import engine_shm_files, remove_orphaned_shm
 
 # What SGLang needs to serve a tiny model on CPU. Overlap scheduling stays on, as in production
 # (the operator does not turn it off): the hook then gets each batch's results one step late.
@@ -73,7 +73,7 @@ class SGLangServer:
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
     start_seconds: list[float] = field(default_factory=list)
-    semaphores_before: set[str] = field(default_factory=set)  # /dev/shm's at start (remove_orphaned_semaphores)
+    shm_before: set[str] = field(default_factory=set)  # /dev/shm's engine files at start (remove_orphaned_shm)
 
     def __post_init__(self) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
@@ -123,7 +123,7 @@ class SGLangServer:
         if not any(s is self for s in STARTED):
             STARTED.append(self)
         t0 = time.monotonic()
-        self.semaphores_before = semaphores()
+        self.shm_before = engine_shm_files()
         with open(self.log_path(), "wb") as log:
             # Its own process group: stop() and kill() reach the scheduler and detokenizer too.
             self.proc = subprocess.Popen(
@@ -188,7 +188,7 @@ class SGLangServer:
         self._signal_group(signal.SIGKILL)
         self.proc.wait()
         self._wait_group_gone(30)
-        remove_orphaned_semaphores(self.semaphores_before)
+        remove_orphaned_shm(self.shm_before)
 
     def stop(self) -> None:
         """SIGTERM the process group, SIGKILL what is left after 20 s."""
@@ -199,7 +199,7 @@ class SGLangServer:
             self._signal_group(signal.SIGKILL)
             self._wait_group_gone(30)
         self.proc.wait()
-        remove_orphaned_semaphores(self.semaphores_before)
+        remove_orphaned_shm(self.shm_before)
 
     def generate(self, body: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
         req = urllib.request.Request(

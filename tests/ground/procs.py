@@ -28,39 +28,43 @@ def tail(path: Path, lines: int = 40) -> str:
 
 
 SHM = Path("/dev/shm")
-MP_SEMAPHORES = "sem.mp-*"  # multiprocessing's named semaphores (spawn and forkserver start methods)
+# What engines leave in /dev/shm when their process tree is killed: multiprocessing's named semaphores
+# (spawn and forkserver start methods), SGLang's load-snapshot slots and its pid-stamped segments.
+ENGINE_SHM_FILES = ("sem.mp-*", "sglang_loads_*", "sgl_shm_*")
 
 
-def semaphores() -> set[str]:
-    """The names of multiprocessing's named semaphores in /dev/shm now."""
-    return {p.name for p in SHM.glob(MP_SEMAPHORES)}
+def engine_shm_files() -> set[str]:
+    """The names of such files in /dev/shm now."""
+    return {p.name for pattern in ENGINE_SHM_FILES for p in SHM.glob(pattern)}
 
 
-def _mapped_shm_inodes() -> set[int]:
-    """Inodes of /dev/shm files some live process maps (glibc maps a semaphore under a temporary name
-    before linking it to its own, so the inode, not the name, identifies it)."""
+def _shm_inodes_in_use() -> set[int]:
+    """Inodes of /dev/shm files some live process maps or has open (glibc maps a semaphore under a
+    temporary name before linking it to its own, so the inode, not the name, identifies it)."""
     found: set[int] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            text = maps.read_text()
+            for line in (proc / "maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith(f"{SHM}/"):
+                    found.add(int(fields[4]))
+            for fd in (proc / "fd").iterdir():
+                if os.readlink(fd).startswith(f"{SHM}/"):
+                    found.add(fd.stat().st_ino)
         except OSError:  # gone, or not ours to read
             continue
-        for line in text.splitlines():
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith(f"{SHM}/"):
-                found.add(int(fields[4]))
     return found
 
 
-def remove_orphaned_semaphores(before: set[str]) -> list[str]:
-    """Remove the named semaphores that appeared since ``before`` and no live process has open: what a
-    process tree leaves in /dev/shm when it is killed with its resource tracker (SGLang's shutdown kills
-    its whole tree), which would otherwise outlive the test. Returns their names."""
-    mapped = _mapped_shm_inodes()
+def remove_orphaned_shm(before: set[str]) -> list[str]:
+    """Remove the engine files of /dev/shm that appeared since ``before`` and no live process maps or has
+    open: what a process tree killed with its resource tracker leaves (SGLang's shutdown kills its whole
+    tree), which would otherwise outlive the test. Returns their names."""
+    in_use = _shm_inodes_in_use()
     orphans = []
-    for name in sorted(semaphores() - before):
+    for name in sorted(engine_shm_files() - before):
         try:
-            if (SHM / name).stat().st_ino not in mapped:
+            if (SHM / name).stat().st_ino not in in_use:
                 (SHM / name).unlink()
                 orphans.append(name)
         except FileNotFoundError:
