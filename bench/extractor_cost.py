@@ -213,22 +213,21 @@ def measure(
         "MBps": round(statistics.median(r["MBps"] for r in steady)),
     }
     if margins:
-        result |= {
-            "marginal_rounds": margins,
-            "marginal_core_s_per_gb": round(statistics.median(m["user"] + m["sys"] for m in margins), 3),
-            "marginal_user_core_s_per_gb": round(statistics.median(m["user"] for m in margins), 3),
-            "marginal_sys_core_s_per_gb": round(statistics.median(m["sys"] for m in margins), 3),
-            "marginal_MBps": round(statistics.median(m["MBps"] for m in margins)),
-        }
+        result |= _medians("marginal", margins)
     if windows:
-        result |= {
-            "window_rounds": windows,
-            "window_core_s_per_gb": round(statistics.median(m["user"] + m["sys"] for m in windows), 3),
-            "window_user_core_s_per_gb": round(statistics.median(m["user"] for m in windows), 3),
-            "window_sys_core_s_per_gb": round(statistics.median(m["sys"] for m in windows), 3),
-            "window_MBps": round(statistics.median(m["MBps"] for m in windows)),
-        }
+        result |= _medians("window", windows)
     return result
+
+
+def _medians(measure_: str, rounds: list[dict[str, float]]) -> dict[str, Any]:
+    """A deep-into-a-run measure's rounds and their medians (core-s/GB in all, user, system; MB/s)."""
+    return {
+        f"{measure_}_rounds": rounds,
+        f"{measure_}_core_s_per_gb": round(statistics.median(m["user"] + m["sys"] for m in rounds), 3),
+        f"{measure_}_user_core_s_per_gb": round(statistics.median(m["user"] for m in rounds), 3),
+        f"{measure_}_sys_core_s_per_gb": round(statistics.median(m["sys"] for m in rounds), 3),
+        f"{measure_}_MBps": round(statistics.median(m["MBps"] for m in rounds)),
+    }
 
 
 def in_process(
