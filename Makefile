@@ -41,20 +41,19 @@ $(NATIVE_LIB): extractor/hsx_extractor/storage/bf16_kernels.c extractor/hsx_extr
 
 venv: $(VENV)/.installed $(NATIVE_LIB)
 
-# Real kube-apiserver, controller-manager, scheduler, etcd, helm, kubectl, hadolint, the SGLang CPU venv and
-# the trainers' venv (cached by version).
-test-tools: venv
-	bash tests/cluster/build.sh
-	bash tests/engines/build_sglang.sh
-	bash tests/trainers/build_trainers.sh
-	bash tests/engines/build_vllm.sh
+# Real kube-apiserver, controller-manager, scheduler, etcd, helm, Kueue, kubectl, hadolint, the SGLang and vLLM CPU
+# venvs and
+# the trainers' venv (cached by version). The Go builds run beside the venvs (tests/build_tools.sh).
+test-tools:
+	MAKE="$(MAKE)" bash tests/build_tools.sh
 
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy extractor/hsx_extractor operator/hsx_operator
 
-test: venv test-tools lint
-	$(BIN)/python -m pytest
+# Prints where the time went at the end (set-up, lint, tests), pass or fail: CI has 90 minutes in all.
+test:
+	@bash tests/timed_test.sh "$(MAKE)" "$(BIN)"
 
 demo: venv
 	$(BIN)/hsx demo

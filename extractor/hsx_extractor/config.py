@@ -21,12 +21,18 @@ RUN_ID_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$"
 # relative local path and write into the working directory.
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 _SCHEMES = ("s3://", "file://")
+# s3:// must name a bucket: no empty name, no whitespace (a pasted newline).
+S3_URI_PATTERN = r"^s3://[^/\s]+(/\S*)?$"
+# AWS regions and S3-compatible stores' names (us-east-1, fr-par, garage): no spaces or newlines.
+REGION_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,62}[A-Za-z0-9])?$"
 
 
 def check_uri(uri: str) -> str:
     """A dataset or output URI hsx can read: s3://bucket/key, file:///path or a path."""
     if _SCHEME.match(uri) and not uri.startswith(_SCHEMES):
         raise ValueError(f"unsupported URI {uri!r}: use s3://bucket/key, file:///path or a local path")
+    if uri.startswith("s3://") and not re.match(S3_URI_PATTERN, uri):
+        raise ValueError(f"URI {uri!r} must be s3://bucket/key: a bucket name, no spaces or line breaks")
     return uri
 
 
@@ -98,7 +104,10 @@ class DatasetSpec(_Spec):
         None, description="S3 endpoint URL of the dataset's store. Defaults to output.endpoint."
     )
     region: str | None = Field(
-        None, description="S3 region of the dataset's store. Defaults to output.region."
+        None,
+        description="S3 region of the dataset's store. Defaults to output.region.",
+        pattern=REGION_PATTERN,
+        max_length=64,
     )
     pathStyle: bool | None = Field(
         None, description="Path-style addressing for the dataset's store. Defaults to output.pathStyle."
@@ -124,7 +133,12 @@ class OutputSpec(_Spec):
     endpoint: str | None = Field(
         None, description="S3 endpoint URL for S3-compatible stores (MinIO, SeaweedFS, Ceph)."
     )
-    region: str | None = Field(None, description="S3 region. Defaults to the AWS configuration chain.")
+    region: str | None = Field(
+        None,
+        description="S3 region. Defaults to the AWS configuration chain.",
+        pattern=REGION_PATTERN,
+        max_length=64,
+    )
     pathStyle: bool = Field(
         False,
         description="Use path-style addressing (bucket in the path), needed by most S3-compatible stores.",

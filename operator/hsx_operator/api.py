@@ -8,7 +8,7 @@ extractor's own config models, so the CRD and ``hsx extract`` cannot disagree.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,6 +16,7 @@ from hsx_extractor.config import RUN_ID_PATTERN, DatasetSpec, ExtractConfig, Out
 from hsx_extractor.sglang_hook.launch import OWNED_FLAGS
 from hsx_extractor.vllm_hook.launch import OWNED_FLAGS as VLLM_OWNED_FLAGS
 from hsx_operator.cel import cel, location_rules
+from hsx_operator.placement import SchedulingSpec
 from hsx_operator.server_flags import EXTRA_ARGS_RULE, IS_VLLM
 
 GROUP = "hsx.dev"
@@ -31,12 +32,15 @@ DEFAULT_EXTRACTOR_IMAGE = "ghcr.io/hsx-dev/hsx-extractor:0.1.0"
 
 # Kubernetes resource quantity (1, 500m, 16Gi, 1.5e3, ...).
 QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(([KMGTPE]i)|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
-LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 ABS_PATH_PATTERN = r"^/.*$"
 
 # Fields the operator passes through to each pod's extractor config take that config's defaults.
 _EXTRACT_DEFAULTS = ExtractConfig.model_fields
+
+# Upper bounds of sizes: past them a value is a typo, not a node (the API server says the range).
+MAX_SHM = "4Ti"
+MAX_DUMP_DIR_BYTES = 4 << 40
 
 # Bounds keep CEL's estimated cost within the API server's budget (it prices by maximum size).
 _STR = 4096
@@ -215,6 +219,11 @@ class ServerSpec(_Spec):
                     "buffers in /dev/shm count against the server's memory limit",
                 ),
                 cel(
+                    f"!isQuantity(self.shmSize) || quantity(self.shmSize).compareTo(quantity('{MAX_SHM}')) <= 0",
+                    f"server.shmSize must be at most {MAX_SHM} (the largest node memory hsx sizes for); "
+                    "the dumps waiting for the extractor need extractor.dumpDirMaxBytes of it",
+                ),
+                cel(
                     "!has(self.env) || self.env.all(e, e.name != 'SGLANG_HS_DUMP_DIR')",
                     "SGLANG_HS_DUMP_DIR is set by the operator and cannot be overridden in server.env",
                 ),
@@ -303,53 +312,8 @@ class ExtractorSpec(_Spec):
     dumpDirMaxBytes: int = Field(
         default=_EXTRACT_DEFAULTS["dumpDirMaxBytes"].default,
         ge=1 << 20,
+        le=MAX_DUMP_DIR_BYTES,
         description="Back-pressure: fewer requests are sent while waiting dumps exceed this many bytes.",
-    )
-
-
-class Toleration(_Spec):
-    """A Pod toleration (see the Pod API)."""
-
-    key: str | None = Field(
-        default=None,
-        description="Taint key; empty with operator Exists tolerates everything.",
-        max_length=316,
-    )
-    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
-    value: str | None = Field(default=None, description="Taint value for operator Equal.", max_length=63)
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
-        default=None, description="Taint effect to tolerate; empty tolerates all effects."
-    )
-    tolerationSeconds: int | None = Field(
-        default=None, description="For NoExecute: how long the pod stays bound after the taint appears."
-    )
-
-
-class SchedulingSpec(_Spec):
-    """Where the pods may run and how they are queued."""
-
-    nodeSelector: dict[str, str] = Field(
-        default_factory=dict,
-        description="Node labels the pods require.",
-        json_schema_extra={"maxProperties": 32, "additionalProperties": {"type": "string", "maxLength": 63}},
-    )
-    tolerations: list[Toleration] = Field(
-        default_factory=list, description="Taints the pods tolerate.", max_length=_LIST
-    )
-    affinity: dict[str, Any] | None = Field(
-        default=None,
-        description="Pod affinity, as in the Pod API (nodeAffinity, podAffinity, podAntiAffinity); passed through as is.",
-        json_schema_extra={"type": "object", "x-kubernetes-preserve-unknown-fields": True},
-    )
-    priorityClassName: str | None = Field(
-        default=None, description="PriorityClass of the pods.", max_length=253
-    )
-    queueName: str | None = Field(
-        default=None,
-        description="Kueue LocalQueue: sets the kueue.x-k8s.io/queue-name label and creates the Job suspended so "
-        "Kueue admits it.",
-        max_length=63,
-        pattern=LABEL_VALUE_PATTERN,
     )
 
 

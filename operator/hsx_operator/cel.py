@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from hsx_extractor.config import S3_URI_PATTERN
+
+# A CEL string literal takes a backslash doubled.
+_CEL_S3_URI = S3_URI_PATTERN.replace("\\", "\\\\")
+
 
 def cel(rule: str, message: str, **extra: Any) -> dict[str, Any]:
     """One ``x-kubernetes-validations`` entry."""
@@ -19,4 +24,6 @@ def location_rules(f: str) -> Any:
         cel(f"{uri}.startsWith('s3://') || {uri}.startsWith('/') || {uri}.startsWith('file:///')",
             where + "(or s3:/bucket) names the container's working directory"),
         cel(scheme, f"{f}.endpoint must be an http:// or https:// URL"),
+        cel(f"!{uri}.startsWith('s3://') || {uri}.matches('{_CEL_S3_URI}')",
+            f"{f}.uri must be s3://bucket/key: a bucket name, no spaces or line breaks"),
     ]  # fmt: skip

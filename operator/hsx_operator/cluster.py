@@ -19,6 +19,7 @@ from typing import Any
 import kopf
 import kubernetes
 from kubernetes.client.rest import ApiException
+from pydantic import ValidationError
 
 from hsx_operator import metrics
 from hsx_operator.desired import EXTRACTOR_CONTAINER, LABEL_XJ, Owner, label_value
@@ -192,6 +193,30 @@ def create_refusal(exc: ApiException, kind: str, name: str) -> Refusal | None:
         Reason.JOB_CREATE_REFUSED,
         f"the API server refused to create {kind} {name} (HTTP {exc.status}): {said}; retrying",
         permanent=False,
+    )
+
+
+# The spec field behind what the pod template passes through as given, for messages.
+_PASSED_THROUGH = {
+    "affinity": "spec.scheduling.affinity",
+    "tolerations": "spec.scheduling.tolerations",
+    "nodeSelector": "spec.scheduling.nodeSelector",
+}
+
+
+def client_refusal(exc: ValidationError, kind: str, name: str) -> Refusal:
+    """The Kubernetes client's own check of an object before sending it (its models are pydantic)
+    as a permanent :class:`Refusal`: no request was made, so the API server's 422 never comes."""
+    said = []
+    for error in exc.errors()[:5]:
+        path = [str(p) for p in error.get("loc", ())[1:]]  # the first entry is the argument's position
+        where = ".".join(path)
+        field = next((f for key, f in _PASSED_THROUGH.items() if key in path), None)
+        said.append(f"{where}: {error.get('msg', 'invalid')}" + (f" (from {field})" if field else ""))
+    return Refusal(
+        Reason.INVALID_JOB_SPEC,
+        f"{kind} {name} is invalid: {'; '.join(said)}; fix the ExtractionJob's spec and change runId to run again",
+        permanent=True,
     )
 
 

@@ -58,6 +58,10 @@ class Owner:
     namespace: str
     uid: str
 
+    def ref(self, run_id: str = "") -> str:
+        """How log lines name the object: namespace/name, and the run when there is one."""
+        return f"{self.namespace}/{self.name}" + (f" runId={run_id}" if run_id else "")
+
     def reference(self) -> dict[str, Any]:
         return {
             "apiVersion": f"{GROUP}/{VERSION}",
@@ -176,6 +180,12 @@ def server_argv(spec: ExtractionJobSpec) -> list[str]:
         host="127.0.0.1",
         dp=spec.server.gpus // tp,
     )
+
+
+def literal_arg(arg: str) -> str:
+    """``arg`` as a container command entry the kubelet passes on unchanged: it expands ``$(VAR)``
+    and turns ``$$`` into ``$``, so every ``$`` is doubled (a user's extraArgs and paths are text)."""
+    return arg.replace("$", "$$")
 
 
 def _server_env(spec: ExtractionJobSpec) -> dict[str, str]:
@@ -308,7 +318,7 @@ def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None =
         "name": SERVER_CONTAINERS[spec.server.engine],
         "image": spec.server_image(),
         "imagePullPolicy": spec.server.imagePullPolicy,
-        "command": server_argv(spec),
+        "command": [literal_arg(a) for a in server_argv(spec)],
         # A native sidecar: starts first, runs for the pod's life, does not block completion.
         "restartPolicy": "Always",
         "env": [

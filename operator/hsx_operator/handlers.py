@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from hsx_operator import metrics
 from hsx_operator.api import GROUP, PLURAL, VERSION, ExtractionJobSpec
-from hsx_operator.cluster import Cluster, create_refusal, poll_progress
+from hsx_operator.cluster import Cluster, client_refusal, create_refusal, poll_progress
 from hsx_operator.desired import (
     LABEL_QUEUE,
     LABEL_RUN,
@@ -36,7 +36,7 @@ from hsx_operator.desired import (
 from hsx_operator.observe import Refusal, needs_job, observe
 from hsx_operator.pods import job_finished
 from hsx_operator.policy import NodeAccessPolicy, violations
-from hsx_operator.status import TERMINAL_PHASES, ExtractionJobStatus, Phase, Reason
+from hsx_operator.status import TERMINAL_PHASES, ExtractionJobStatus, Phase, Reason, status_patch
 
 POLL_SECONDS = float(os.environ.get("HSX_OPERATOR_POLL_SECONDS", "5"))
 # The cluster admin's allow-lists; main() sets them from the command line before kopf runs.
@@ -64,15 +64,13 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.reporting_component = MANAGER
     settings.posting.reporting_instance = os.environ.get("POD_NAME") or os.environ.get("HOSTNAME") or MANAGER
     settings.watching.server_timeout = 120
+    # Handlers are sync, in kopf's thread pool (default: cores + 4 threads); a few slow polls must not
+    # queue every other object's handlers, deletions included, behind them.
+    settings.execution.max_workers = 32
     try:
         kubernetes.config.load_incluster_config()
     except kubernetes.config.ConfigException:
         kubernetes.config.load_kube_config()
-
-
-def _status_patch(prior: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """Top-level status fields that changed (merge-patch semantics: None removes)."""
-    return {k: v for k, v in new.items() if prior.get(k) != v}
 
 
 def reconcile(
@@ -123,14 +121,13 @@ def _reconcile(
         xj = ExtractionJobSpec.model_validate(dict(spec))
     except ValidationError as exc:
         # The API server accepted it, so the CRD and the models disagree: say so, touch nothing.
-        patch.status.update(
-            {
-                "phase": Phase.FAILED.value,
-                "reason": Reason.INVALID_SPEC.value,
-                "message": str(exc)[:4000],
-                "observedGeneration": generation,
-            }
-        )
+        wanted = {
+            "phase": Phase.FAILED.value,
+            "reason": Reason.INVALID_SPEC.value,
+            "message": str(exc)[:4000],
+            "observedGeneration": generation,
+        }
+        patch.status.update(status_patch(dict(status or {}), wanted))
         return
     prior_raw = dict(status or {})
     prior = ExtractionJobStatus.model_validate(prior_raw)
@@ -220,7 +217,7 @@ def _reconcile(
     for note in outcome.events:
         kopf.event(body, type=note.type, reason=note.reason, message=note.message)
     new = outcome.status.model_dump(mode="json")
-    changed = _status_patch(prior_raw, new)
+    changed = status_patch(prior_raw, new)
     if changed:
         patch.status.update(changed)
     metrics.record_phase(uid, outcome.status.phase)
@@ -242,12 +239,17 @@ def _create_run(
     for kind, obj in (("ConfigMap", config_map), ("Job", manifest)):
         try:
             created = cluster.create_or_read(owner, obj, kind)
+        except ValidationError as exc:  # the client's own models refused it before any request
+            refusal = client_refusal(exc, kind, obj["metadata"]["name"])
         except ApiException as exc:
-            refusal = create_refusal(exc, kind, obj["metadata"]["name"])
-            if refusal is None:
+            maybe = create_refusal(exc, kind, obj["metadata"]["name"])
+            if maybe is None:
                 raise
-            log.warning("creating %s %s: %s", kind, obj["metadata"]["name"], refusal.message)
-            return None, refusal
+            refusal = maybe
+        else:
+            continue
+        log.warning("%s: creating %s %s: %s", owner.ref(xj.runId), kind, obj["metadata"]["name"], refusal.message)
+        return None, refusal
     return created, None
 
 
@@ -295,7 +297,14 @@ def on_timer(**kwargs: Any) -> None:
     _handle("timer", kwargs)
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL)
+def ever_ran(status: Mapping[str, Any], **_: Any) -> bool:
+    """Whether a Job of this resource was ever created (this run's or an earlier one's). kopf puts the
+    finalizer only on such objects, so deleting a refused or never-started run waits on nothing, not
+    even on a running operator; ownerReferences collect anything created after this was read."""
+    return bool(status.get("startTime") or status.get("history"))
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, when=ever_ran)
 def on_delete(**kwargs: Any) -> None:
     """Remove the runs' Jobs and pods (foreground, so GPUs are free once this returns). Data is never touched."""
     name, namespace, uid = kwargs["name"], kwargs["namespace"], kwargs["uid"]

@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    kopf.configure(verbose=args.verbose)
+    # log_prefix: every line about an object starts with its [namespace/name] (kopf's default omits it).
+    kopf.configure(verbose=args.verbose, log_prefix=True)
     if not args.verbose:
         # One line per timer tick is noise; handler failures are logged as warnings and errors.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)

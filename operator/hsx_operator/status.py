@@ -5,8 +5,9 @@ Written by the operator only, through the status subresource; computed by :mod:`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -228,3 +229,32 @@ class ExtractionJobStatus(_Status):
         description="ServerReady, Reconciling, Stalled, Succeeded, Failed and Suspended.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
+
+
+def _pruned(value: Any) -> Any:
+    """``value`` as the API server stores it: the status schema has no nullable fields, so a null
+    anywhere (inside list items too) is dropped rather than kept."""
+    if isinstance(value, Mapping):
+        return {k: _pruned(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_pruned(v) for v in value]
+    return value
+
+
+def status_patch(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch that turns the stored status into ``wanted``, and nothing else: empty
+    when they already agree, so a settled object is never written again. A key whose wanted value
+    is null is removed only where it is stored; objects are patched key by key, lists whole."""
+    patch: dict[str, Any] = {}
+    for key, value in wanted.items():
+        old = stored.get(key)
+        if value is None:
+            if key in stored:
+                patch[key] = None
+        elif isinstance(value, Mapping) and isinstance(old, Mapping):
+            inner = status_patch(old, value)
+            if inner:
+                patch[key] = inner
+        elif _pruned(value) != old:
+            patch[key] = _pruned(value)
+    return patch

@@ -149,3 +149,20 @@ def start_slow_run(ns: Namespace, name: str, env: dict[str, Any], **spec: Any) -
     early = wait_for(some_committed(run_dir, "r1", ns, name), 240, "a committed shard")
     assert early != "ended", ("the run ended before it could be disturbed; slow it down", ns.status(name))
     return run_dir
+
+
+def status_patches(ns: Namespace) -> int:
+    """PATCH requests the API server has answered for extractionjobs/status, from its own metrics
+    (apiserver_request_total): every write of any ExtractionJob's status, no-op ones too."""
+    metrics = ns.cluster.kubectl("get", "--raw", "/metrics").stdout
+    total = 0
+    for line in metrics.splitlines():
+        if (
+            line.startswith("apiserver_request_total{")
+            and 'resource="extractionjobs"' in line
+            and 'subresource="status"' in line
+            and 'verb="PATCH"' in line
+        ):
+            total += int(float(line.rsplit(" ", 1)[1]))
+    return total
+

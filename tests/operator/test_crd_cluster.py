@@ -96,6 +96,17 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "spec.server.env[0].name: Invalid value",
     ),
     ("shm-not-a-quantity", _with("server.shmSize", "lots"), "spec.server.shmSize: Invalid value"),
+    ("shm-absurd", _with("server.shmSize", "9999999Ei"), "server.shmSize must be at most 4Ti"),
+    (
+        "dump-dir-absurd",
+        _with("extractor.dumpDirMaxBytes", 1 << 50),
+        "spec.extractor.dumpDirMaxBytes: Invalid value",
+    ),
+    ("output-s3-no-bucket", _with("output.uri", "s3://"), "output.uri must be s3://bucket/key: a bucket"),
+    ("dataset-s3-empty-bucket", _with("dataset.uri", "s3:///chat.jsonl"), "dataset.uri must be s3://bucket"),
+    ("output-s3-newline", _with("output.uri", "s3://out/hs\nx"), "output.uri must be s3://bucket/key: a"),
+    ("region-newline", _with("output.region", "us-east-1\n"), "spec.output.region: Invalid value"),
+    ("dataset-region-space", _with("dataset.region", "us east"), "spec.dataset.region: Invalid value"),
     (
         "startup-timeout-too-short",
         _with("server.startupTimeoutSeconds", 5),

@@ -20,6 +20,7 @@ from hsx_operator.desired import (
     label_value,
     server_argv,
 )
+from tests.ground.podspec import expand_refs
 from tests.operator.helpers import make_spec
 
 OWNER = Owner(name="xj", namespace="ns", uid="uid-1")
@@ -261,3 +262,17 @@ def test_vllm_engine_renders_hsx_launcher_in_a_vllm_container() -> None:
     assert ExtractConfig.model_validate(default_cm).engine == "sglang"
     mine = make_spec(server={"image": "my/vllm:1", "engine": "vllm"})
     assert _pod(desired_job(OWNER, mine))["initContainers"][-1]["image"] == "my/vllm:1"
+
+
+def test_user_arguments_reach_the_server_literally_through_kubernetes_expansion() -> None:
+    # The kubelet expands $(VAR) in command entries (the test node agent does it the same way):
+    # the server must get `$(SGLANG_HS_DUMP_DIR)` and `$$` as typed, not the dump dir and `$`.
+    spec = make_spec(
+        model={"path": "/models/$(HOME)/m"},
+        server={"extraArgs": ["--chat-template", "$(SGLANG_HS_DUMP_DIR)/t.jinja", "--x", "$$", "$"]},
+    )
+    container = next(c for c in _pod(desired_job(OWNER, spec))["initContainers"] if c["name"] == "sglang")
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    assert env["SGLANG_HS_DUMP_DIR"] == DUMP_DIR
+    assert [expand_refs(a, env) for a in container["command"]] == server_argv(spec)
+    assert server_argv(spec)[-5:] == ["--chat-template", "$(SGLANG_HS_DUMP_DIR)/t.jinja", "--x", "$$", "$"]

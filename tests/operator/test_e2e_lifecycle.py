@@ -33,6 +33,7 @@ from tests.operator.e2e import (
     run_store,
     settled,
     start_slow_run,
+    status_patches,
     verify,
 )
 from tests.operator.kube_helpers import Namespace, xj_manifest
@@ -153,7 +154,11 @@ def test_reapplying_a_succeeded_run_changes_nothing(
     output = file_digests(run_env["output"] / "r1")
 
     assert "unchanged" in ns.apply(manifest)  # a GitOps sync of the same manifest
-    time.sleep(QUIET_SECONDS)
+    # A settled object is written no more (issue 38: a null in status was re-patched every poll):
+    # 30 s is 30 of the test operator's 1 s polls, more than a minute of the default 5 s.
+    patches = status_patches(ns)
+    time.sleep(max(QUIET_SECONDS, 30))
+    assert status_patches(ns) == patches
     after = ns.get("xj", "steady")
     assert after is not None
     assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]

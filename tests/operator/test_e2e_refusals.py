@@ -42,10 +42,18 @@ def test_a_job_the_api_server_rejects_fails_the_run_with_its_message(
             scheduling={"tolerations": [{"key": "gpu", "operator": "Exists", "value": "yes"}]},
         )
     )
-    for name, words in (("badsel", "nodeSelector"), ("badtol", "tolerations[0]")):
+    # The Kubernetes client refuses this one itself, before any request (its models are pydantic):
+    # once a blank status retried every 60 s (issue 38).
+    ns.apply(xj_manifest("badaff", "r1", **run_env, scheduling={"affinity": {"nodeAffinity": "yes please"}}))
+    for name, words in (
+        ("badsel", "nodeSelector"),
+        ("badtol", "tolerations[0]"),
+        ("badaff", "affinity.nodeAffinity: Input should be a valid dictionary"),
+    ):
         failed = wait_for(phase(ns, name, "Failed"), 60, f"{name} to fail")
         assert failed["reason"] == "InvalidJobSpec", failed
-        assert f'Job.batch "{name}-r1" is invalid' in failed["message"] and words in failed["message"], failed
+        said = f'Job.batch "{name}-r1" is invalid' if name != "badaff" else f"Job {name}-r1 is invalid"
+        assert said in failed["message"] and words in failed["message"], failed
         assert "change runId" in failed["message"]
         assert conditions(failed)["Failed"] == "True" and conditions(failed)["Stalled"] == "True"
         warnings = [
@@ -57,7 +65,10 @@ def test_a_job_the_api_server_rejects_fails_the_run_with_its_message(
     creates_logged = op.tail(400).count("creating Job badsel-r1")
     time.sleep(QUIET_SECONDS)  # several operator polls: no further attempt, the status stands
     assert op.tail(400).count("creating Job badsel-r1") == creates_logged <= 2, op.tail()
-    assert ns.get("job", "badsel-r1") is None and ns.get("job", "badtol-r1") is None
+    assert not any(ns.get("job", f"{n}-r1") for n in ("badsel", "badtol", "badaff"))
+    assert "from spec.scheduling.affinity" in ns.status("badaff")["message"]
+    # Log lines name the object they are about.
+    assert "badaff runId=r1: creating Job badaff-r1" in op.tail(400), op.tail()
     assert ns.status("badsel")["reason"] == "InvalidJobSpec"
 
 
@@ -166,7 +177,7 @@ def test_queued_only_when_kueue_holds_the_job(
 def test_host_paths_and_system_priority_outside_the_admins_policy_fail_the_run(
     ns: Namespace, run_env: dict[str, Any], start_operator: Callable[[], OperatorProcess]
 ) -> None:
-    start_operator()  # allows host paths under the session's work directory only
+    op = start_operator()  # allows host paths under the session's work directory only
     ns.apply(xj_manifest("nodefs", "r1", **{**run_env, "model_root": Path("/etc")}))
     ns.apply(xj_manifest("critical", "r1", **run_env, scheduling={"priorityClassName": "system-node-critical"}))
     for name, words in (
@@ -180,6 +191,15 @@ def test_host_paths_and_system_priority_outside_the_admins_policy_fail_the_run(
     # The same run with paths under the allowed prefix is created: the policy, not the spec, refused.
     ns.apply(xj_manifest("allowed", "r1", **run_env, suspend=True))
     wait_for(lambda: ns.get("job", "allowed-r1"), 60, "the allowed run's Job")
+    wait_for(lambda: "hsx.dev/finalizer" in (ns.get("xj", "allowed") or {})["metadata"].get("finalizers", []),
+             60, "the finalizer on a run that has a Job")  # fmt: skip
+    ns.kubectl("delete", "xj", "allowed", "--timeout=60s")  # released by the operator
+    # A run that never had a Job carries no finalizer: its delete waits on nothing, not even on the
+    # operator (once one was held over 60 s under load, issue 38).
+    assert "hsx.dev/finalizer" not in (ns.get("xj", "nodefs") or {})["metadata"].get("finalizers", [])
+    op.stop()
+    ns.kubectl("delete", "xj", "nodefs", "critical", "--timeout=20s")
+    assert ns.get("xj", "nodefs") is None and ns.get("xj", "critical") is None
 
 
 def test_a_missing_dataset_fails_in_preflight_before_the_server_starts(
