@@ -15,12 +15,13 @@ export SSL_CERT_FILE ?= /etc/ssl/certs/ca-certificates.crt
 export HSX_CACHE
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv test-tools lint test demo dev-cluster bench crds clean
+.PHONY: help venv test-tools lint test demo dev-cluster dev-bucket bench crds clean
 
 help:
 	@echo "make demo         extract a bundled dataset with a tiny model on CPU, verify, summarise"
 	@echo "make test         lint, type-check and run every test (builds test binaries once, cached)"
 	@echo "make dev-cluster  start the test control plane + node agent + S3 server in the foreground"
+	@echo "make dev-bucket NAME=b  make a bucket on the running dev cluster's S3 server"
 	@echo "make bench        run the benchmarks under bench/ (results in bench/results/)"
 	@echo "make crds         regenerate crds/ from the operator's pydantic models"
 
@@ -60,6 +61,10 @@ demo: venv
 
 dev-cluster: venv test-tools
 	$(BIN)/python -m tests.ground.devcluster
+
+# A bucket on the running dev cluster's S3 server: make dev-bucket NAME=my-bucket
+dev-bucket: venv
+	$(BIN)/python -m tests.ground.devcluster bucket "$(NAME)"
 
 bench: venv test-tools
 	$(BIN)/python -m bench

@@ -118,3 +118,65 @@ def test_partial_files_are_invisible_by_name() -> None:
     assert p.rid_of(".hsx-run1-3-a1.safetensors.123.partial") is None
     assert p.rid_of("hsx-run1-3-a1.safetensors") == "hsx-run1-3-a1"
     assert p.rid_of("notes.txt") is None
+
+
+def _with_header(path, header: object) -> None:
+    raw = path.read_bytes()
+    (hlen,) = __import__("struct").unpack("<Q", raw[:8])
+    body = raw[8 + hlen :]
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + body)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda h: [1, 2],  # not an object
+        lambda h: {**h, "input_ids": "x"},  # an entry that is not an object
+        lambda h: {**h, "input_ids": {**h["input_ids"], "data_offsets": [0]}},  # one offset
+        lambda h: {**h, "input_ids": {**h["input_ids"], "shape": None}},
+        lambda h: {**h, "input_ids": {**h["input_ids"], "shape": [-5]}},
+        lambda h: {**h, "input_ids": {**h["input_ids"], "data_offsets": [20, 0]}},
+        lambda h: {**h, "__metadata__": "not an object"},
+        lambda h: {**h, "__metadata__": {**h["__metadata__"], "capture_layers": "[[["}},
+        lambda h: {k: v for k, v in h.items() if k != "input_ids"},
+    ],
+)
+def test_a_malformed_header_is_a_protocol_error(tmp_path, damage) -> None:
+    # Issue 32, item 3: each of these ended the run with a KeyError/TypeError/AttributeError.
+    ids, aux, fin = _tensors()
+    path = p.write_dump(tmp_path, _meta(), ids, aux, fin)
+    raw = path.read_bytes()
+    (hlen,) = __import__("struct").unpack("<Q", raw[:8])
+    _with_header(path, damage(json.loads(raw[8 : 8 + hlen])))
+    with pytest.raises(p.ProtocolError):
+        p.read_dump(path)
+
+
+def test_any_header_bytes_give_a_dump_or_a_protocol_error(tmp_path) -> None:
+    """Fuzz (Hypothesis): whatever the header JSON, read_dump returns or raises ProtocolError, nothing else."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    ids, aux, fin = _tensors()
+    good = p.write_dump(tmp_path, _meta(), ids, aux, fin)
+    raw = good.read_bytes()
+    (hlen,) = __import__("struct").unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + hlen])
+    scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8)
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.text(max_size=6), inner, max_size=3), max_leaves=10)  # fmt: skip
+    keys = st.sampled_from([*header, "__metadata__"])
+    target = tmp_path / "fuzzed.safetensors"
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.dictionaries(keys, values, max_size=4), st.booleans())
+    def check(replacements: dict, merge: bool) -> None:
+        target.write_bytes(raw)
+        _with_header(target, {**header, **replacements} if merge else replacements)
+        try:
+            p.read_dump(target)
+        except p.ProtocolError:
+            pass
+
+    check()

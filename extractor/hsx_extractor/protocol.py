@@ -374,22 +374,37 @@ def read_dump(path: str | os.PathLike[str]) -> Dump:
         raise ProtocolError(f"{path}: header length {hlen} exceeds file size")
     try:
         header = json.loads(bytes(data[8 : 8 + hlen]))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ProtocolError(f"{path}: header is not JSON: {exc}") from exc
-    meta = DumpMeta.from_header(header.get("__metadata__", {}))
     body = data[8 + hlen :]
-    arrays: dict[str, np.ndarray] = {}
-    for name in (TENSOR_INPUT_IDS, TENSOR_AUX, TENSOR_FINAL):
-        entry = header.get(name)
-        if not entry or entry.get("dtype") not in _DTYPES:
-            raise ProtocolError(f"{path}: missing or mistyped tensor {name!r}")
-        start, end = entry["data_offsets"]
-        dtype = np.dtype(_DTYPES[entry["dtype"]])
-        shape = tuple(int(s) for s in entry["shape"])
-        if end > len(body) or end - start != int(np.prod(shape)) * dtype.itemsize:
-            raise ProtocolError(f"{path}: tensor {name!r} is truncated")
-        arrays[name] = np.frombuffer(body[start:end], dtype=dtype).reshape(shape)
+    try:
+        if not isinstance(header, dict):
+            raise ProtocolError("header is not a JSON object")
+        meta = DumpMeta.from_header(header.get("__metadata__", {}))
+        arrays = {name: _tensor(header, body, name) for name in (TENSOR_INPUT_IDS, TENSOR_AUX, TENSOR_FINAL)}
+    except ProtocolError as exc:
+        raise ProtocolError(f"{path}: {exc}") from exc
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError) as exc:
+        # A header of the right JSON but the wrong shapes (a writer's bug, a damaged file): that
+        # sample's quarantine, never the run's end.
+        raise ProtocolError(f"{path}: malformed header ({type(exc).__name__}: {exc})") from exc
     return Dump(meta, arrays[TENSOR_INPUT_IDS], arrays[TENSOR_AUX], arrays[TENSOR_FINAL])
+
+
+def _tensor(header: dict[str, Any], body: memoryview, name: str) -> Any:
+    import numpy as np
+
+    entry = header.get(name)
+    if not isinstance(entry, dict) or entry.get("dtype") not in _DTYPES:
+        raise ProtocolError(f"missing or mistyped tensor {name!r}")
+    start, end = (int(o) for o in entry["data_offsets"])
+    dtype = np.dtype(_DTYPES[entry["dtype"]])
+    shape = tuple(int(s) for s in entry["shape"])
+    if min(shape, default=0) < 0 or not 0 <= start <= end:
+        raise ProtocolError(f"tensor {name!r} has a negative shape or offsets out of order")
+    if end > len(body) or end - start != int(np.prod(shape)) * dtype.itemsize:
+        raise ProtocolError(f"tensor {name!r} is truncated")
+    return np.frombuffer(body[start:end], dtype=dtype).reshape(shape)
 
 
 def f32_to_bf16_bits(values: np.ndarray) -> np.ndarray:

@@ -35,6 +35,9 @@ class Reason(StrEnum):
     NO_ASSISTANT_TOKENS = "no_assistant_tokens"
     TOO_LONG = "too_long"
     DUPLICATE_ID = "duplicate_id"
+    # Checking the row raised an error nothing else names (a bug or an input no check foresaw): the
+    # row is set aside with the error, the run goes on.
+    ROW_CHECK_FAILED = "row_check_failed"
     # Server side: the dump for the sample's rid is missing or does not match what was sent.
     ID_MISMATCH = "id_mismatch"
     LENGTH_MISMATCH = "length_mismatch"

@@ -32,6 +32,8 @@ from tests.ground.tools import tool_path
 REPO = Path(__file__).resolve().parents[2]
 TRY_NAMESPACE = "hsx-try"
 TRY_BUCKET = "hsx-try"
+# Where the running dev cluster says how to reach it, for helpers in other shells (`make dev-bucket`).
+CURRENT = Path(os.environ.get("HSX_CACHE", Path.home() / ".cache" / "hsx")) / "dev-cluster.env"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -115,7 +117,54 @@ def try_commands(kubeconfig: Path, try_dir: Path, manifest: Path) -> list[str]:
     ]
 
 
+def env_lines(kubeconfig: Path, s3: Any, pod_endpoint: str | None) -> list[str]:
+    """The environment that reaches this cluster and its S3 server from the host (boto3, the aws CLI and
+    `hsx verify` read AWS_ENDPOINT_URL); HSX_DEV_S3_POD_ENDPOINT is what manifests name."""
+    lines = [f"export KUBECONFIG={shlex.quote(str(kubeconfig))}"]
+    if s3 is not None:
+        lines += [
+            f"export AWS_ACCESS_KEY_ID={shlex.quote(s3.access_key)}",
+            f"export AWS_SECRET_ACCESS_KEY={shlex.quote(s3.secret_key)}",
+            f"export AWS_REGION={shlex.quote(s3.region)}",
+            f"export AWS_ENDPOINT_URL={shlex.quote(s3.endpoint)}",
+            f"export HSX_DEV_S3_POD_ENDPOINT={shlex.quote(pod_endpoint or '')}",
+        ]
+    return lines
+
+
+def make_bucket(name: str, env_file: Path = CURRENT) -> int:
+    """`make dev-bucket NAME=...`: a bucket on the running dev cluster's S3 server."""
+    if not env_file.exists():
+        print(f"no dev cluster is running ({env_file} is missing): start one with `make dev-cluster`", file=sys.stderr)
+        return 2
+    env = dict(
+        line.removeprefix("export ").split("=", 1) for line in env_file.read_text().splitlines() if "=" in line
+    )
+    env = {k: shlex.split(v)[0] if v else "" for k, v in env.items()}
+    if not env.get("AWS_ENDPOINT_URL"):
+        print("the running dev cluster has no S3 server (started with --no-s3)", file=sys.stderr)
+        return 2
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        region_name=env["AWS_REGION"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+    )
+    client.create_bucket(Bucket=name)
+    print(f"bucket {name} made: s3://{name}/ (output.endpoint {env['HSX_DEV_S3_POD_ENDPOINT']} in a manifest)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bucket"]:
+        if len(argv) != 2 or not argv[1]:
+            print("usage: make dev-bucket NAME=<bucket>", file=sys.stderr)
+            return 2
+        return make_bucket(argv[1])
     args = parse_args(argv)
     if os.geteuid() != 0:
         print("dev-cluster needs root (the node agent makes network and mount namespaces)", file=sys.stderr)
@@ -138,23 +187,34 @@ def main(argv: list[str] | None = None) -> int:
         register_hsx_images(agent)
         s3 = None if args.no_s3 else stack.enter_context(_s3_context(workdir / "s3"))
         steps: list[str] = []
+        pod_endpoint = None
         if s3 is not None:
             pod_endpoint = f"http://{agent.forward_host_port(int(s3.endpoint.rsplit(':', 1)[1]))}"
             try_dir = workdir / "try"
             manifest = prepare_try(try_dir, s3, pod_endpoint)
             steps = try_commands(cluster.kubeconfig, try_dir, manifest)
+        env_file, pid_file = workdir / "dev-cluster.env", workdir / "dev-cluster.pid"
+        env_file.write_text("\n".join(env_lines(cluster.kubeconfig, s3, pod_endpoint)) + "\n")
+        pid_file.write_text(f"{os.getpid()}\n")
+        CURRENT.parent.mkdir(parents=True, exist_ok=True)
+        CURRENT.write_text(env_file.read_text())
+        stack.callback(lambda: CURRENT.unlink(missing_ok=True))
         print(f"[dev-cluster] ready in {time.monotonic() - started:.1f}s", flush=True)
         print(f"  export KUBECONFIG={cluster.kubeconfig}")
+        print(f"  source {env_file}   # KUBECONFIG and, with S3, the AWS_* variables of this host's view")
         print(f"  API server:  {cluster.server}  (admin: user hsx-admin, group system:masters)")
         print(
             f"  node:        {agent.node_name}  (8 nvidia.com/gpu; pods get 10.244.{agent.net.slot}.0/24 addresses)"
         )
         print(f"  images run as written: {', '.join(args.images or ['*'])}; hsx's from this checkout")
         if s3 is not None:
-            port = int(s3.endpoint.rsplit(":", 1)[1])
-            print(f"  S3 endpoint: {s3.endpoint}  (from pods: http://{agent.forward_host_port(port)})")
+            print(f"  S3 endpoint: {s3.endpoint}  (this host: aws CLI, boto3, hsx verify)")
+            print(f"  S3 endpoint for manifests: {pod_endpoint}  (output.endpoint / dataset.endpoint: pods reach it)")
             print(f"  S3 access key: {s3.access_key}  secret key: {s3.secret_key}  region: {s3.region}")
-        print(f"  logs:        {workdir / 'kube' / 'logs'}  and  {agent.workdir / 'logs'}")
+            print(f"  buckets:     {TRY_BUCKET} exists; another: make dev-bucket NAME=<bucket>")
+        print(f"  logs:        kubectl logs -n NAMESPACE POD -c CONTAINER; files in {workdir / 'kube' / 'logs'}"
+              f" and {agent.workdir / 'logs'}")  # fmt: skip
+        print(f"  stop:        Ctrl-C here, or kill -TERM $(cat {pid_file})  (this process, not make's)")
         if steps:
             print("  try an extraction (docs/guide.md, 'Try it on the dev cluster'), in another shell:")
             for step in steps:

@@ -202,6 +202,10 @@ def start_kube_cluster(workdir: Path | None = None) -> Iterator[KubeCluster]:
     )
     admin = ca.issue("hsx-admin", ["system:masters"])
     admin_crt, admin_key = _write_pair(pki_dir, "admin", admin)
+    # How the API server reaches the node agent's kubelet API (`kubectl logs`), by its InternalIP.
+    kubelet_client_crt, kubelet_client_key = _write_pair(
+        pki_dir, "apiserver-kubelet-client", ca.issue("kube-apiserver-kubelet-client", ["system:masters"])
+    )
     admin_kubeconfig = root / "admin.kubeconfig"
     admin_kubeconfig.write_text(yaml.safe_dump(kubeconfig_document(server, ca.cert_pem, admin, "hsx-admin")))
 
@@ -249,6 +253,9 @@ def start_kube_cluster(workdir: Path | None = None) -> Iterator[KubeCluster]:
             f"--default-not-ready-toleration-seconds={NODE_LOSS_TOLERATION_S}",
             f"--default-unreachable-toleration-seconds={NODE_LOSS_TOLERATION_S}",
             "--profiling=false",
+            "--kubelet-preferred-address-types=InternalIP",
+            f"--kubelet-client-certificate={kubelet_client_crt}",
+            f"--kubelet-client-key={kubelet_client_key}",
             f"--requestheader-client-ca-file={front_proxy_ca_path}",
             "--requestheader-allowed-names=front-proxy-client",
             "--requestheader-username-headers=X-Remote-User",

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.ground import podnet
+from tests.ground.kubelet_api import KubeletLogServer
 from tests.ground.pod_worker import Container, PodWorker, run_quiet
 from tests.ground.podspec import (
     PodSpecError,
@@ -192,6 +193,7 @@ class NodeAgent:
         self._threads: list[threading.Thread] = []
         self._forwarder: TcpForwarder | None = None
         self._host_forwards: dict[int, TcpForwarder] = {}
+        self._kubelet_api: KubeletLogServer | None = None
 
     # ---- public API for tests ----------------------------------------------------------------------------
     def register_image(self, pattern: str, rewrite: Rewrite | None = None) -> None:
@@ -207,6 +209,17 @@ class NodeAgent:
         """Everything the container wrote to stdout/stderr (all its runs), '' when it never ran."""
         path = self.workdir / "logs" / namespace / pod / f"{container}.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+    def _log_source(self, namespace: str, pod: str, container: str) -> tuple[Path, Callable[[], bool]] | None:
+        path = self.workdir / "logs" / namespace / pod / f"{container}.log"
+        try:
+            worker = self._worker_for(namespace, pod)
+        except KeyError:  # a finished pod's log stays readable, as on a kubelet
+            return (path, lambda: False) if path.exists() else None
+        found = next((c for c in worker.containers() if c.name == container), None)
+        if found is None:
+            return None
+        return path, lambda: found.running and not worker.finished.is_set()
 
     def kill_container(self, namespace: str, pod: str, container: str, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to the container's processes (a crash or OOM kill from the pod's point of view)."""
@@ -234,6 +247,15 @@ class NodeAgent:
         self.net.ensure_bridge()
         if self._forwarder is None:
             self._forwarder = TcpForwarder(self.net.gateway, 443, self.cluster.port)
+        if self._kubelet_api is None:  # `kubectl logs`, through the API server as with a kubelet
+            serving = self.cluster.ca.issue(
+                f"system:node:{self.node_name}", ["system:nodes"], ip_addresses=[self.net.gateway], server=True
+            )
+            crt, key = self.workdir / "kubelet.crt", self.workdir / "kubelet.key"
+            crt.write_bytes(serving.cert_pem)
+            key.write_bytes(serving.key_pem)
+            key.chmod(0o600)
+            self._kubelet_api = KubeletLogServer(self.net.gateway, crt, key, self.cluster.ca_path, self._log_source)
         self._register_node()
         self._running = True
         self._threads = [
@@ -269,6 +291,8 @@ class NodeAgent:
         for forwarder in [self._forwarder, *self._host_forwards.values()]:
             if forwarder is not None:
                 forwarder.close()
+        if self._kubelet_api is not None:
+            self._kubelet_api.close()
         if not self.slot.others_alive():  # another agent's pods may use the same mount points
             self.host_dirs.remove_all()
         unmount_leftovers(self.net.slot)
@@ -445,7 +469,7 @@ class NodeAgent:
                 {"type": "InternalIP", "address": self.net.gateway},
                 {"type": "Hostname", "address": self.node_name},
             ],
-            "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": self._kubelet_api.port if self._kubelet_api else 10250}},
             "nodeInfo": {
                 "machineID": "hsx-test",
                 "systemUUID": "hsx-test",

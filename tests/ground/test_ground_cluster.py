@@ -673,3 +673,31 @@ def test_security_context_is_honoured(kube_cluster, node, namespace, tmp_path):
 
     waiting = wait_for(refused, 60, "the runAsNonRoot pod to be refused")
     assert "runAsNonRoot" in waiting["message"] and "root" in waiting["message"]
+
+
+def test_kubectl_logs_reads_the_node_agents_containers(kube_cluster, node, namespace):
+    """`kubectl logs` goes through the API server to the node's kubelet API, as on a cluster: the whole
+    log, --tail, -f until the container ends, and an unknown container refused."""
+    chatty = {
+        "name": "c",
+        "image": IMAGE,
+        "command": python(
+            """
+            import time
+            for i in range(5):
+                print(f"line {i}", flush=True)
+                time.sleep(0.4)
+            """
+        ),
+    }
+    apply(kube_cluster, pod_manifest("chatty", namespace, [chatty]))
+    wait_for(lambda: pod_phase(kube_cluster, namespace, "chatty") in ("Running", "Succeeded"), 60, "the pod")
+    followed = kube_cluster.kubectl("logs", "-n", namespace, "chatty", "-c", "c", "-f", timeout=60)
+    assert followed.stdout.splitlines() == [f"line {i}" for i in range(5)], followed.stdout
+    wait_for(lambda: pod_phase(kube_cluster, namespace, "chatty") == "Succeeded", 60, "the pod to end")
+    assert kube_cluster.kubectl("logs", "-n", namespace, "chatty").stdout == "".join(
+        f"line {i}\n" for i in range(5)
+    )
+    assert kube_cluster.kubectl("logs", "-n", namespace, "chatty", "--tail=2").stdout == "line 3\nline 4\n"
+    missing = kube_cluster.kubectl("logs", "-n", namespace, "chatty", "-c", "nope", check=False)
+    assert missing.returncode != 0 and "nope" in missing.stderr

@@ -115,6 +115,22 @@ def test_dev_cluster_runs_the_guides_extraction_and_stops_cleanly(tmp_path):
         assert ready["status"] == "True"
         assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"
         assert "S3 endpoint: http://127.0.0.1:" in banner
+        # Which endpoint goes into a manifest is said; it is the one the prepared manifest names.
+        pod_endpoint = re.search(r"S3 endpoint for manifests: (\S+)", banner)
+        assert pod_endpoint, banner
+        assert f"endpoint: {pod_endpoint.group(1)}" in (workdir / "try" / "extractionjob.yaml").read_text()
+        # Another bucket, as the banner says, from another shell; the env file reaches it from this host.
+        made = subprocess.run(
+            ["make", "-s", "dev-bucket", "NAME=extra"], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
+        assert made.returncode == 0 and "bucket extra made" in made.stdout, made.stdout + made.stderr
+        listed = subprocess.run(
+            ["bash", "-c", f"source {workdir / 'dev-cluster.env'} && {sys.executable} -c "
+             "'import boto3; print(sorted(b[\"Name\"] for b in boto3.client(\"s3\").list_buckets()[\"Buckets\"]))'"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert "'extra'" in listed.stdout and "'hsx-try'" in listed.stdout, listed.stdout + listed.stderr
+        assert (workdir / "dev-cluster.pid").read_text().strip() == str(proc.pid)
         steps = printed_steps(banner)
         assert any(s.startswith("helm install hsx charts/hsx") for s in steps), banner
         # The steps as a user pastes them: one shell, the last one prints `kubectl get xj`.
@@ -130,9 +146,17 @@ def test_dev_cluster_runs_the_guides_extraction_and_stops_cleanly(tmp_path):
         )  # fmt: skip
         progress = json.loads(xj.stdout)["status"]["progress"]
         assert progress["samplesDone"] > 0 and progress["samplesDone"] == progress["samplesTotal"], progress
+        # `kubectl logs` as a newcomer types it: through the API server to the node's kubelet API.
+        logs = subprocess.run(
+            [str(tool_path("kubectl")), "--kubeconfig", kubeconfig.group(1), "logs", "-n", "hsx-try",
+             "job/tiny-r1", "-c", "extractor"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert logs.returncode == 0 and "samples" in logs.stdout, logs.stdout[-2000:] + logs.stderr
     finally:
-        # Stopped as a user would (Ctrl-C), also after a failed step, so nothing is orphaned.
-        proc.send_signal(signal.SIGINT)
+        # Stopped as the banner says, by the PID it wrote (also after a failed step: nothing orphaned).
+        pid_file = workdir / "dev-cluster.pid"
+        os.kill(int(pid_file.read_text()) if pid_file.exists() else proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:

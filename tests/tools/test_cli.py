@@ -239,3 +239,17 @@ def test_verify_an_output_root_verifies_each_run(tmp_path: Path, ref_server: Ref
     (root / "second" / "manifest.json").write_text("{}")
     assert main(["verify", str(root)]) == EXIT_PERMANENT
     assert capsys.readouterr().out.strip().endswith("1 OK, 1 FAILED")
+
+
+def test_make_tiny_model_leaves_files_a_pods_user_can_read(tmp_path: Path) -> None:
+    # safetensors writes the weights through a private (0600) temporary file; made as root, the
+    # dev cluster's pods (uid 65532) could not read them (issue 38).
+    out = tmp_path / "tiny"
+    done = subprocess.run(
+        [sys.executable, "-c", "import os, sys; os.umask(0o022); from hsx_extractor.tools.cli import main; "
+         f"sys.exit(main(['make-tiny-model', {str(out)!r}]))"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes

@@ -46,6 +46,25 @@ ROW_BYTES_PER_TOKEN = 256
 MIN_ROW_BYTES_LIMIT = 1 << 20
 
 
+# Chat rows nest a few levels (tool schemas a few more); the recursive walkers past parsing (template
+# rendering, special-token checks) would hit Python's recursion limit near a thousand.
+MAX_JSON_DEPTH = 100
+
+
+def nested_deeper_than(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether lists and objects nest more than ``limit`` levels (iterative: no recursion to exhaust)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 def row_bytes_limit(max_length: int) -> int:
     """Bytes a raw row may have before it is quarantined as too long without being parsed."""
     return max(MIN_ROW_BYTES_LIMIT, ROW_BYTES_PER_TOKEN * max_length)
@@ -180,12 +199,14 @@ def _lone_surrogate(value: Any, where: str) -> str | None:
 
 
 def _json_list(value: Any) -> Any:
-    # Parquet exports often carry nested lists as JSON text.
+    # Parquet exports often carry nested lists as JSON text; text that is not (or nests absurdly) stays
+    # text, which the caller refuses as not a list.
     if isinstance(value, str):
         try:
-            return json.loads(value)
-        except ValueError:
+            parsed = json.loads(value)
+        except (ValueError, RecursionError):
             return value
+        return value if nested_deeper_than(parsed) else parsed
     return value
 
 
@@ -297,6 +318,8 @@ def _decode(index: int, raw: bytes, line: int | None) -> Any:
         return Rejected(index, None, Reason.INVALID_JSON, str(exc), line)
     except RecursionError:
         return Rejected(index, None, Reason.INVALID_JSON, "JSON nested too deeply", line)
+    if nested_deeper_than(row):
+        return Rejected(index, None, Reason.INVALID_JSON, f"JSON nested deeper than {MAX_JSON_DEPTH} levels", line)
     # Valid UTF-8 can still spell a lone surrogate as a JSON escape; such text has no UTF-8 form.
     try:
         found = _lone_surrogate(row, "row") if "\\u" in text else None
@@ -314,6 +337,8 @@ def parse_row(
     row = _decode(index, raw, line) if isinstance(raw, bytes) else raw
     if isinstance(row, Rejected):
         return row
+    if not isinstance(raw, bytes) and nested_deeper_than(row):  # a decoded Parquet row
+        return Rejected(index, None, Reason.INVALID_JSON, f"row nested deeper than {MAX_JSON_DEPTH} levels", line)
     if not isinstance(row, dict):
         return Rejected(index, None, Reason.INVALID_ROW, f"row is a JSON {type(row).__name__}, not an object", line)
     sample_id = _sample_id(row, index)
@@ -439,11 +464,21 @@ def read_samples(
             )
             row: MessagesRow | TokensRow | Rejected = Rejected(index, None, Reason.TOO_LONG, detail, line)
         else:
-            row = parse_row(index, raw, fmt, line)
+            row = _guarded(index, 1, line, lambda *a: [parse_row(*a)], index, raw, fmt, line)[0]
         count = sample_count(row, expand)
         if wanted is None or any(wanted(i) for i in range(index, index + count)):
             if isinstance(row, Rejected):
                 yield row
             else:
-                yield from prepare_samples(row, tokenizer, max_length, expand)
+                yield from _guarded(index, count, line, prepare_samples, row, tokenizer, max_length, expand)
         index += count
+
+
+def _guarded(index: int, count: int, line: int | None, judge: Callable[..., list[Any]], *args: Any) -> list[Any]:
+    """``judge(*args)``, or, if it raises anything, the ``count`` samples from ``index`` quarantined with
+    the error: one row can never end a run (only configuration errors do, and those are found at start)."""
+    try:
+        return judge(*args)
+    except Exception as exc:
+        detail = f"{type(exc).__name__} while checking the row: {str(exc)[:300]}"
+        return [Rejected(index + k, None, Reason.ROW_CHECK_FAILED, detail, line) for k in range(count)]

@@ -7,6 +7,7 @@ without downloading anything. Everything here is built from the bundled example 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -141,4 +142,26 @@ def build_tiny_model(
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config)
     model.save_pretrained(str(out), safe_serialization=True)
+    _readable_as_umask_allows(out)
     return out
+
+
+def _umask() -> int:
+    try:  # Linux says it without changing it (os.umask would, for every thread, for a moment)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _readable_as_umask_allows(directory: Path) -> None:
+    """The weights file is written through a private temporary file (0600): give every file the mode a
+    plain write would have had, so a pod's non-root user (uid 65532) can read a model made as root."""
+    mode = 0o666 & ~_umask()
+    for path in directory.iterdir():
+        if path.is_file():
+            path.chmod(mode)
