@@ -359,7 +359,6 @@ def read_dump(path: str | os.PathLike[str]) -> Dump:
     file is removed. Dumps are renamed into place complete and never rewritten, so the mapping
     cannot shrink under a reader.
     """
-    import numpy as np
 
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size

@@ -139,3 +139,60 @@ def test_every_format_from_s3_with_the_datasets_own_endpoint(
     parquet = list(read_samples(iter_rows(f"s3://{s3_bucket}/sets/d.parquet", where), tokenizer, 512))
     assert [type(i).__name__ for i in parquet] == ["Prepared", "Prepared", "Prepared", "Rejected", "Rejected"]
     assert all(isinstance(i, Prepared) for i in parquet[:3])
+
+
+def test_a_line_past_the_cap_is_read_past_with_its_size_and_digest() -> None:
+    # Issue 32, item 2: the cap applied only after the whole line was in memory.
+    from hsx_extractor.run.plan import row_digest
+    from hsx_extractor.run.sources import OversizedRow
+
+    long_line = b'{"id": "big", "x": "' + b"y" * (3 * CHUNK) + b'"}'
+    data = b'{"id": 1}\n' + long_line + b"\r\n" + b'{"id": 2}\n' + long_line
+    chunks = iter([data[i : i + CHUNK] for i in range(0, len(data), CHUNK)] + [b""])
+    held: list[int] = []
+
+    def read(_: int) -> bytes:
+        return next(chunks)
+
+    got = []
+    for item in split_lines(read, max_line=1 << 20):
+        held.append(len(item) if isinstance(item, bytes) else 0)
+        got.append(item)
+    assert got[0] == b'{"id": 1}\n' and got[2] == b'{"id": 2}\n'
+    for oversized in (got[1], got[3]):
+        assert isinstance(oversized, OversizedRow)
+        assert oversized.size >= len(long_line)
+        # The same digest the line would have had whole (what the plan and resume compare).
+        assert oversized.digest == row_digest(long_line)
+    assert max(held) < 1 << 20
+
+
+def test_an_oversized_line_is_quarantined_too_long_with_its_line_number(tmp_path: Path, tokenizer) -> None:
+    path = tmp_path / "d.jsonl"
+    big = json.dumps({**ROWS[1], "id": "big", "pad": "z" * (2 << 20)}).encode()
+    path.write_bytes(b"\n".join([json.dumps(ROWS[0]).encode(), big, json.dumps(ROWS[2]).encode()]) + b"\n")
+    got = list(read_samples(iter_rows(str(path), max_line=1 << 20), tokenizer, 16))
+    assert outcomes(got)[1] == (2, "Rejected")
+    assert got[1].reason == Reason.TOO_LONG and "not parsed" in got[1].detail, got[1]
+
+
+def test_a_parquet_row_with_a_huge_cell_never_reaches_the_tokenizer(tmp_path: Path, tokenizer) -> None:
+    # An 8 MiB cell reached the tokenizer with maxLength 16 (Parquet skipped the pre-parse cap).
+    path = tmp_path / "d.parquet"
+    huge = [{"role": "user", "content": "q" * (8 << 20)}, {"role": "assistant", "content": "a"}]
+    pq.write_table(pa.Table.from_pylist([{"id": "ok", "messages": ROWS[0]["messages"]},
+                                         {"id": "huge", "messages": huge}]), path)  # fmt: skip
+
+    class Watching:
+        def __init__(self, real: Any) -> None:
+            self.real, self.vocab_size, self.bos_id = real, real.vocab_size, real.bos_id
+            self.longest = 0
+
+        def chat_samples(self, messages: Any, tools: Any, expand: bool) -> Any:
+            self.longest = max(self.longest, *(len(m.get("content") or "") for m in messages))
+            return self.real.chat_samples(messages, tools, expand)
+
+    watching = Watching(tokenizer)
+    got = list(read_samples(iter_rows(str(path)), watching, 16))
+    assert isinstance(got[1], Rejected) and got[1].reason == Reason.TOO_LONG, got[1]
+    assert "at least" in got[1].detail and watching.longest < 1 << 20

@@ -19,7 +19,7 @@ from hsx_extractor.storage.backends import PermanentStoreError, ShardConflictErr
 from hsx_extractor.storage.commit_record import QuarantineEntry
 from hsx_extractor.storage.shard_format import NonFiniteValues
 from hsx_extractor.storage.store import open_store
-from hsx_extractor.storage.uris import open_uri_lines
+from hsx_extractor.storage.uris import open_uri_chunks
 from hsx_extractor.tools.verify import run_verify
 from tests.storage.samples import finalize_run, plan_for, record, seq_len_of, write_run
 
@@ -248,11 +248,11 @@ def test_put_json_if_absent_returns_what_is_stored(tmp_path: Path) -> None:
     assert store.get_json("missing.json") is None
 
 
-def test_open_uri_lines_reads_local_files(tmp_path: Path) -> None:
+def test_open_uri_chunks_reads_local_files(tmp_path: Path) -> None:
     path = tmp_path / "data.jsonl"
     path.write_bytes(b'{"id": 1}\n{"id": 2}\n')
-    assert list(open_uri_lines(str(path))) == [b'{"id": 1}\n', b'{"id": 2}\n']
-    assert list(open_uri_lines(f"file://{path}")) == [b'{"id": 1}\n', b'{"id": 2}\n']
+    assert list(open_uri_chunks(str(path), chunk_size=8)) == [b'{"id": 1', b'}\n{"id":', b" 2}\n"]
+    assert b"".join(open_uri_chunks(f"file://{path}")) == b'{"id": 1}\n{"id": 2}\n'
 
 
 def test_a_reused_spool_file_holds_only_the_new_shard(tmp_path: Path) -> None:

@@ -16,13 +16,13 @@ import pytest
 
 from hsx_extractor.config import OutputSpec
 from hsx_extractor.reader import HiddenStatesDataset
+from hsx_extractor.run.sources import iter_rows
 from hsx_extractor.storage.backends import PermanentStoreError, ShardConflictError
 from hsx_extractor.storage.layout import InvalidKeyError
 from hsx_extractor.storage.s3 import MultipartUploader, S3Backend
 from hsx_extractor.storage.s3_client import S3Endpoint
 from hsx_extractor.storage.spool import SpooledObject
 from hsx_extractor.storage.store import open_store
-from hsx_extractor.storage.uris import open_uri_lines
 from hsx_extractor.tools.verify import run_verify
 from tests.ground.s3 import S3Server
 from tests.storage.faultproxy import FaultPlan, FaultProxy
@@ -314,10 +314,10 @@ def test_dataset_lines_from_s3(s3_env: S3Server, s3_bucket: str) -> None:
     )
     s3_env.client().put_object(Bucket=s3_bucket, Key="data/train.jsonl", Body=rows + b'{"id": "last"}')
     spec = _spec(s3_env, s3_bucket)
-    lines = list(open_uri_lines(f"s3://{s3_bucket}/data/train.jsonl", S3Endpoint.of(spec)))
-    assert b"".join(lines) == rows + b'{"id": "last"}' and len(lines) == 6
+    got = list(iter_rows(f"s3://{s3_bucket}/data/train.jsonl", S3Endpoint.of(spec)))
+    assert b"\n".join(r.data for r in got) == rows + b'{"id": "last"}' and len(got) == 6  # type: ignore[misc]
     with pytest.raises(PermanentStoreError):
-        list(open_uri_lines(f"s3://{s3_bucket}/data/missing.jsonl", S3Endpoint.of(spec)))
+        list(iter_rows(f"s3://{s3_bucket}/data/missing.jsonl", S3Endpoint.of(spec)))
 
 
 def test_reader_in_dataloader_workers(s3_env: S3Server, s3_bucket: str) -> None:

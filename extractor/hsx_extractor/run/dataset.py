@@ -21,7 +21,7 @@ import numpy as np
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.contract import DATASET_CREDENTIALS_ENV
 from hsx_extractor.reasons import Reason
-from hsx_extractor.run.sources import SourceRow
+from hsx_extractor.run.sources import OversizedRow, SourceRow
 from hsx_extractor.storage.s3_client import S3Endpoint
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -457,10 +457,11 @@ def read_samples(
         if limit is not None and number >= limit:
             return
         raw, line = (source, None) if isinstance(source, bytes) else (source.data, source.line)
-        if isinstance(raw, bytes) and len(raw) > row_bytes_limit(max_length):
+        size = row_size(raw)
+        if size > row_bytes_limit(max_length):
             detail = (
-                f"row is {len(raw)} bytes, more than {row_bytes_limit(max_length)} "
-                f"({ROW_BYTES_PER_TOKEN} per token of maxLength {max_length}); not parsed"
+                f"row is {'at least ' if isinstance(raw, dict) else ''}{size} bytes, more than "
+                f"{row_bytes_limit(max_length)} ({ROW_BYTES_PER_TOKEN} per token of maxLength {max_length}); not parsed"
             )
             row: MessagesRow | TokensRow | Rejected = Rejected(index, None, Reason.TOO_LONG, detail, line)
         else:
@@ -472,6 +473,31 @@ def read_samples(
             else:
                 yield from _guarded(index, count, line, prepare_samples, row, tokenizer, max_length, expand)
         index += count
+
+
+def row_size(raw: bytes | dict[str, Any] | OversizedRow) -> int:
+    """Bytes of a row as read: a line's length, or for a decoded Parquet row the text and items it
+    holds (walked without recursion; each cell was bounded by its file, not by hsx)."""
+    if isinstance(raw, OversizedRow):
+        return raw.size
+    if isinstance(raw, bytes | bytearray):
+        return len(raw)
+    total = 0
+    stack: list[Any] = [raw]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str | bytes | bytearray):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += len(item)
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            total += len(item)
+            stack.extend(item)
+        else:
+            total += 1
+    return total
 
 
 def _guarded(index: int, count: int, line: int | None, judge: Callable[..., list[Any]], *args: Any) -> list[Any]:

@@ -39,7 +39,7 @@ from hsx_extractor.run.consistency import (
     FinalState,
     SamplePicks,
 )
-from hsx_extractor.run.dataset import Prepared, Rejected, dataset_endpoint, read_samples
+from hsx_extractor.run.dataset import Prepared, Rejected, dataset_endpoint, read_samples, row_bytes_limit
 from hsx_extractor.run.engine import (
     EngineContext,
     ShardWorker,
@@ -181,7 +181,7 @@ class Extraction:
         if not plan.digests or uri_stat(d.uri, where) == plan.source:
             return
         digests: dict[int, int] = {}
-        for row in hashed(iter_rows(d.uri, where), digests):
+        for row in hashed(iter_rows(d.uri, where, row_bytes_limit(d.maxLength)), digests):
             if row.line >= plan.last_line:
                 break
         changes = plan.changed_shards(digests)
@@ -416,7 +416,7 @@ class Extraction:
         )
 
         def items() -> Iterator[Prepared | Rejected]:
-            rows = hashed(iter_rows(d.uri, where), digests)
+            rows = hashed(iter_rows(d.uri, where, row_bytes_limit(d.maxLength)), digests)
             return read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns)
 
         def check_cut(cut: ShardCut) -> None:

@@ -21,6 +21,8 @@ from typing import Any, Protocol, TypeVar
 
 import xxhash
 
+from hsx_extractor.run.sources import OversizedRow
+
 PLAN_NAME = "plan.json"
 PLAN_VERSION = 1
 
@@ -198,14 +200,17 @@ class Row(Protocol):
     def line(self) -> int: ...
 
     @property
-    def data(self) -> bytes | dict[str, Any]: ...
+    def data(self) -> bytes | dict[str, Any] | OversizedRow: ...
 
 
 R = TypeVar("R", bound=Row)
 
 
-def row_digest(data: bytes | dict[str, Any]) -> int:
-    """The digest of one dataset row: its raw bytes, or a Parquet row's canonical JSON."""
+def row_digest(data: bytes | dict[str, Any] | OversizedRow) -> int:
+    """The digest of one dataset row: its raw bytes, or a Parquet row's canonical JSON (a line read
+    past for its size carries the digest of its bytes)."""
+    if isinstance(data, OversizedRow):
+        return data.digest
     if not isinstance(data, bytes | bytearray):
         data = json.dumps(data, sort_keys=True, default=str).encode()
     return xxhash.xxh3_64_intdigest(data)

@@ -16,7 +16,7 @@ from hsx_extractor import protocol
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.contract import EXIT_OK
 from hsx_extractor.model import check_vocab, model_shape, read_model_config, text_config
-from hsx_extractor.run.dataset import Rejected, dataset_endpoint, read_samples
+from hsx_extractor.run.dataset import Rejected, dataset_endpoint, read_samples, row_bytes_limit
 from hsx_extractor.run.extraction import Extraction
 from hsx_extractor.run.failures import describe_failure, permanent
 from hsx_extractor.run.runner import write_termination_message
@@ -34,19 +34,28 @@ def preflight(cfg: ExtractConfig, say: Callable[[str], None]) -> None:
     if cfg.modelPath:
         shape = model_shape({}, cfg.modelPath, cfg.auxLayerIds)
         check_vocab(shape, tok.vocab_size, cfg.modelPath)
-        say(f"model ok: {cfg.modelPath} (hidden {shape.hidden_size}, captured layers {list(shape.capture_layers)})")
+        say(
+            f"model ok: {cfg.modelPath} (hidden {shape.hidden_size}, captured layers {list(shape.capture_layers)})"
+        )
         context = text_config(read_model_config(cfg.modelPath)).get("max_position_embeddings")
         if isinstance(context, int) and cfg.dataset.maxLength > context:
             say(
                 f"warning: dataset.maxLength {cfg.dataset.maxLength} exceeds the model's max_position_embeddings "
                 f"{context}: longer samples fail unless the server's context length is raised"
             )
-    rows = list(islice(iter_rows(cfg.dataset.uri, dataset_endpoint(cfg)), ROWS_READ))
+    rows = list(
+        islice(
+            iter_rows(cfg.dataset.uri, dataset_endpoint(cfg), row_bytes_limit(cfg.dataset.maxLength)),
+            ROWS_READ,
+        )
+    )
     if not rows:
         raise permanent(f"dataset {cfg.dataset.uri} has no rows")
     first = next(read_samples(rows, tok, cfg.dataset.maxLength, cfg.dataset.format), None)
     if isinstance(first, Rejected):
-        say(f"dataset ok: {cfg.dataset.uri} opens; its first row will be quarantined: {first.reason}: {first.detail}")
+        say(
+            f"dataset ok: {cfg.dataset.uri} opens; its first row will be quarantined: {first.reason}: {first.detail}"
+        )
     else:
         say(f"dataset ok: {cfg.dataset.uri} (first row renders)")
     try:  # reachability, credentials, conditional writes
@@ -63,6 +72,7 @@ def preflight(cfg: ExtractConfig, say: Callable[[str], None]) -> None:
 
 def run_preflight(cfg: ExtractConfig) -> int:
     """``hsx preflight``: the checks, a line each; exit code and termination message as ``hsx extract``'s."""
+
     def say(line: str) -> None:
         print(f"hsx preflight: {line}", flush=True)
 

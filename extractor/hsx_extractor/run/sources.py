@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import xxhash
+
 from hsx_extractor.storage.s3_client import S3Endpoint
-from hsx_extractor.storage.uris import open_uri_chunks, open_uri_lines, open_uri_source
+from hsx_extractor.storage.uris import open_uri_chunks, open_uri_source
 
 CHUNK = 8 << 20
 PARQUET_BATCH_ROWS = 256
@@ -29,11 +31,21 @@ class DatasetError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class OversizedRow:
+    """A JSONL line longer than the reader's cap: read past, never held. Its digest is the xxh3-64 of
+    its bytes without the trailing line break, as :func:`~hsx_extractor.run.plan.row_digest` of a line."""
+
+    size: int
+    digest: int
+
+
+@dataclass(frozen=True)
 class SourceRow:
-    """One row as read: a JSONL line (bytes, without its newline) or a decoded Parquet row."""
+    """One row as read: a JSONL line (bytes, without its newline), a decoded Parquet row, or only the
+    size and digest of a line past the cap."""
 
     line: int
-    data: bytes | dict[str, Any]
+    data: bytes | dict[str, Any] | OversizedRow
 
 
 def dataset_kind(uri: str) -> Kind:
@@ -53,21 +65,26 @@ def _check_exists(uri: str) -> None:
         raise DatasetError(f"dataset {uri} does not exist or is not a file")
 
 
-def iter_rows(uri: str, where: S3Endpoint | None = None) -> Iterator[SourceRow]:
-    """Every row of the dataset in file order, with its line number."""
+def iter_rows(uri: str, where: S3Endpoint | None = None, max_line: int | None = None) -> Iterator[SourceRow]:
+    """Every row of the dataset in file order, with its line number. A JSONL line longer than
+    ``max_line`` bytes comes as an :class:`OversizedRow`: memory holds one chunk and at most
+    ``max_line`` bytes of a line, however long the lines are."""
     _check_exists(uri)
     if dataset_kind(uri) == "parquet":
         yield from _parquet_rows(uri, where)
         return
-    for number, line in enumerate(_raw_lines(uri, where), start=1):
-        if line.strip():
+    for number, line in enumerate(_raw_lines(uri, where, max_line), start=1):
+        if isinstance(line, OversizedRow):
+            yield SourceRow(number, line)
+        elif line.strip():
             yield SourceRow(number, line.rstrip(b"\r\n"))
 
 
-def _raw_lines(uri: str, where: S3Endpoint | None) -> Iterator[bytes]:
+def _raw_lines(uri: str, where: S3Endpoint | None, max_line: int | None) -> Iterator[bytes | OversizedRow]:
     kind = dataset_kind(uri)
     if kind == "jsonl":
-        yield from open_uri_lines(uri, where)
+        chunks = iter(open_uri_chunks(uri, where, CHUNK))
+        yield from split_lines(lambda _: next(chunks, b""), max_line)
         return
     compressed: Any = _ChunkStream(open_uri_chunks(uri, where, CHUNK))
     stream: Any
@@ -80,26 +97,61 @@ def _raw_lines(uri: str, where: S3Endpoint | None) -> Iterator[bytes]:
         stream = zstandard.ZstdDecompressor().stream_reader(compressed, read_across_frames=True)
         damaged = (zstandard.ZstdError,)
     try:
-        yield from split_lines(stream.read)
+        yield from split_lines(stream.read, max_line)
     except damaged as exc:
         raise DatasetError(f"dataset {uri}: cannot decompress ({kind}): {exc}") from exc
     finally:
         stream.close()
 
 
-def split_lines(read: Callable[[int], bytes]) -> Iterator[bytes]:
-    """Lines (each with its newline, the last maybe without) of a stream read in chunks."""
+class _Skipped:
+    """The digest and size of a line being read past (``rstrip(b"\\r\\n")`` semantics for the digest)."""
+
+    def __init__(self, held: list[bytes]) -> None:
+        self.hash = xxhash.xxh3_64()
+        self.size = 0
+        self.tail = b""  # a trailing run of line-break bytes, hashed only if more bytes follow
+        for piece in held:
+            self.add(piece)
+
+    def add(self, piece: bytes) -> None:
+        self.size += len(piece)
+        data = self.tail + piece
+        kept = data.rstrip(b"\r\n")
+        self.hash.update(kept)
+        self.tail = data[len(kept) :]
+
+    def done(self) -> OversizedRow:
+        return OversizedRow(self.size, self.hash.intdigest())
+
+
+def split_lines(read: Callable[[int], bytes], max_line: int | None = None) -> Iterator[bytes | OversizedRow]:
+    """Lines (each with its newline, the last maybe without) of a stream read in chunks; a line past
+    ``max_line`` bytes is read past and comes as its :class:`OversizedRow`."""
     pending: list[bytes] = []
+    held = 0
+    skipped: _Skipped | None = None
     while chunk := read(CHUNK):
         start = 0
-        while (end := chunk.find(b"\n", start)) >= 0:
-            pending.append(chunk[start : end + 1])
-            yield b"".join(pending)
-            pending = []
+        while True:
+            end = chunk.find(b"\n", start)
+            piece = chunk[start : end + 1] if end >= 0 else chunk[start:]
+            if skipped is None and max_line is not None and held + len(piece) > max_line + 2:
+                skipped = _Skipped(pending)  # +2: the line's own \r\n does not count
+                pending, held = [], 0
+            if skipped is not None:
+                skipped.add(piece)
+            elif piece:
+                pending.append(piece)
+                held += len(piece)
+            if end < 0:
+                break
+            yield skipped.done() if skipped is not None else b"".join(pending)
+            pending, held, skipped = [], 0, None
             start = end + 1
-        if start < len(chunk):
-            pending.append(chunk[start:])
-    if pending:
+    if skipped is not None:
+        yield skipped.done()
+    elif pending:
         yield b"".join(pending)
 
 

@@ -393,17 +393,6 @@ class S3Backend:
         for offset in range(0, size, chunk_size):
             yield self.get_range(key, offset, min(chunk_size, size - offset))
 
-    def iter_lines(self, key: str, chunk_size: int = 8 << 20) -> Iterator[bytes]:
-        """Lines of an object, read in ranged chunks (each retried on its own)."""
-        rest = b""
-        for chunk in self.iter_object(key, chunk_size):
-            lines = (rest + chunk).split(b"\n")
-            rest = lines.pop()
-            for line in lines:
-                yield line + b"\n"
-        if rest:
-            yield rest
-
 
 def split_object_uri(uri: str) -> tuple[str, str]:
     """``s3://bucket/key`` -> (bucket, key), with the key validated like a prefix."""

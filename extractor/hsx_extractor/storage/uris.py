@@ -35,20 +35,6 @@ def uri_stat(uri: str, where: S3Endpoint | None = None) -> dict[str, Any]:
     return {"size": st.st_size, "mtimeNs": st.st_mtime_ns}
 
 
-def open_uri_lines(uri: str, where: S3Endpoint | None = None) -> Iterator[bytes]:
-    """Lines (with their newline) of a local file, ``file://`` or ``s3://bucket/key`` object.
-
-    For ``s3://``, ``where`` names the store (endpoint, region, path style, credentials);
-    without it the AWS defaults apply.
-    """
-    if uri.startswith("s3://"):
-        backend, key = _s3_object(uri, where)
-        yield from backend.iter_lines(key)
-        return
-    with open(_local_path(uri), "rb") as f:
-        yield from f
-
-
 def open_uri_chunks(uri: str, where: S3Endpoint | None = None, chunk_size: int = 8 << 20) -> Iterator[bytes]:
     """The bytes of a local file or ``s3://`` object, front to back in chunks (ranged reads on S3)."""
     if uri.startswith("s3://"):

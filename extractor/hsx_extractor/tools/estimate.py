@@ -358,13 +358,14 @@ def count_dataset(
     special: str = "text",
 ) -> Rows:
     """Tokenize the dataset exactly as ``hsx extract`` does (same template, same rejections)."""
-    from hsx_extractor.run.dataset import read_samples
+    from hsx_extractor.run.dataset import read_samples, row_bytes_limit
     from hsx_extractor.run.sources import iter_rows
     from hsx_extractor.run.tokens import ChatTokenizer
 
     template = chat_template.read_text() if chat_template else None
     tokenizer = ChatTokenizer(tokenizer_dir, template, special)  # type: ignore[arg-type]
-    samples = read_samples(iter_rows(uri), tokenizer, max_length, fmt, limit, expand)  # type: ignore[arg-type]
+    rows = iter_rows(uri, None, row_bytes_limit(max_length))
+    samples = read_samples(rows, tokenizer, max_length, fmt, limit, expand)  # type: ignore[arg-type]
     return rows_from_samples(samples)
 
 
@@ -378,7 +379,9 @@ def add_estimate_command(subparsers: Any) -> argparse.ArgumentParser:
         "--tokens; give --model (config.json) or --hidden-size and --num-layers.",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--dataset", help="dataset as dataset.uri: JSONL (.gz, .zst) or Parquet, local path or file:// URI")
+    src.add_argument(
+        "--dataset", help="dataset as dataset.uri: JSONL (.gz, .zst) or Parquet, local path or file:// URI"
+    )
     src.add_argument("--tokens", type=int, help="total tokens, when you already know them")
     p.add_argument("--samples", type=int, help="number of samples, with --tokens (default: tokens / 2048)")
     p.add_argument(
@@ -491,7 +494,13 @@ def run_estimate(args: argparse.Namespace) -> int:
             basis if ratio is not None else "hidden",
         )
     except (
-        EstimateError, ModelConfigError, DatasetError, TokenizerError, StoreError, InvalidKeyError, OSError
+        EstimateError,
+        ModelConfigError,
+        DatasetError,
+        TokenizerError,
+        StoreError,
+        InvalidKeyError,
+        OSError,
     ) as exc:
         # What the user gave is wrong (a path, a tokenizer, a dataset): say so, no traceback.
         print(f"hsx estimate: error: {exc}")
