@@ -219,7 +219,8 @@ class ServerSpec(_Spec):
                     "buffers in /dev/shm count against the server's memory limit",
                 ),
                 cel(
-                    f"!isQuantity(self.shmSize) || quantity(self.shmSize).compareTo(quantity('{MAX_SHM}')) <= 0",
+                    "!has(self.shmSize) || !isQuantity(self.shmSize) || "
+                    f"quantity(self.shmSize).compareTo(quantity('{MAX_SHM}')) <= 0",
                     f"server.shmSize must be at most {MAX_SHM} (the largest node memory hsx sizes for); "
                     "the dumps waiting for the extractor need extractor.dumpDirMaxBytes of it",
                 ),

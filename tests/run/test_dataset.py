@@ -415,7 +415,7 @@ def test_deeply_nested_rows_are_judged_not_crashed(tokenizer: ChatTokenizer) -> 
 def test_a_huge_row_is_refused_before_it_is_parsed(tokenizer: ChatTokenizer) -> None:
     import tracemalloc
 
-    from hsx_extractor.run.dataset import row_bytes_limit
+    from hsx_extractor.run.row_bounds import row_bytes_limit
     from hsx_extractor.run.sources import SourceRow
 
     text = "word " * 6_600_000  # a 33 MB row: parsing and tokenizing it took GiBs

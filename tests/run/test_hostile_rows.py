@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from hsx_extractor.reasons import Reason
-from hsx_extractor.run.dataset import MAX_JSON_DEPTH, Prepared, Rejected, nested_deeper_than, read_samples
+from hsx_extractor.run.dataset import Prepared, Rejected, read_samples
+from hsx_extractor.run.row_bounds import MAX_JSON_DEPTH, nested_deeper_than
 
 GOOD = {"id": "ok", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 DEEP_TEXT = "[" * 5000 + "]" * 5000  # ~10 KB: json.loads raises RecursionError on it

@@ -17,11 +17,11 @@ from hsx_extractor.tools.estimate import (
     DEFAULT_RATIOS,
     EstimateError,
     Rows,
-    add_estimate_command,
     estimate_storage,
     format_estimate,
     trial_ratio,
 )
+from hsx_extractor.tools.estimate_cli import add_estimate_command
 
 H, K = 64, 3
 

@@ -21,7 +21,14 @@ import numpy as np
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.contract import DATASET_CREDENTIALS_ENV
 from hsx_extractor.reasons import Reason
-from hsx_extractor.run.sources import OversizedRow, SourceRow
+from hsx_extractor.run.row_bounds import (
+    MAX_JSON_DEPTH,
+    ROW_BYTES_PER_TOKEN,
+    nested_deeper_than,
+    row_bytes_limit,
+    row_size,
+)
+from hsx_extractor.run.sources import SourceRow, iter_rows
 from hsx_extractor.storage.s3_client import S3Endpoint
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -40,35 +47,12 @@ SHAREGPT_ROLES = {
 OPTIONAL_FIELDS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 # Sample ids travel in every shard header and commit record: a long one is a bad row, not a 100 MB header.
 MAX_ID_CHARS = 512
-# A row is refused unparsed past this many bytes per token of dataset.maxLength (JSON escapes and
-# long tokens stay far below it): parsing and tokenizing a 33 MB row first took 7.6 GiB.
-ROW_BYTES_PER_TOKEN = 256
-MIN_ROW_BYTES_LIMIT = 1 << 20
-
-
-# Chat rows nest a few levels (tool schemas a few more); the recursive walkers past parsing (template
-# rendering, special-token checks) would hit Python's recursion limit near a thousand.
-MAX_JSON_DEPTH = 100
-
-
-def nested_deeper_than(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether lists and objects nest more than ``limit`` levels (iterative: no recursion to exhaust)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children)
-    return False
-
-
-def row_bytes_limit(max_length: int) -> int:
-    """Bytes a raw row may have before it is quarantined as too long without being parsed."""
-    return max(MIN_ROW_BYTES_LIMIT, ROW_BYTES_PER_TOKEN * max_length)
 RowFormat = Literal["auto", "messages", "tokens"]
+
+
+class ConfigurationError(RuntimeError):
+    """The run's configuration, not the row, is wrong (found at the first row that needs it): the
+    run stops with the permanent exit code instead of quarantining every row the same way."""
 
 
 class RowRefused(ValueError):
@@ -166,6 +150,11 @@ def dataset_endpoint(cfg: ExtractConfig, environ: Mapping[str, str] = os.environ
         path_style=d.pathStyle if d.pathStyle is not None else o.pathStyle,
         credentials=(key, secret, token or None) if key and secret else None,
     )
+
+
+def dataset_rows(cfg: ExtractConfig) -> Iterator[SourceRow]:
+    """The configured dataset's rows in file order, each past the row-size bound an OversizedRow."""
+    return iter_rows(cfg.dataset.uri, dataset_endpoint(cfg), row_bytes_limit(cfg.dataset.maxLength))
 
 
 def _sample_id(row: dict[str, Any], index: int) -> str | None:
@@ -475,36 +464,13 @@ def read_samples(
         index += count
 
 
-def row_size(raw: bytes | dict[str, Any] | OversizedRow) -> int:
-    """Bytes of a row as read: a line's length, or for a decoded Parquet row the text and items it
-    holds (walked without recursion; each cell was bounded by its file, not by hsx)."""
-    if isinstance(raw, OversizedRow):
-        return raw.size
-    if isinstance(raw, bytes | bytearray):
-        return len(raw)
-    total = 0
-    stack: list[Any] = [raw]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str | bytes | bytearray):
-            total += len(item)
-        elif isinstance(item, dict):
-            total += len(item)
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list | tuple):
-            total += len(item)
-            stack.extend(item)
-        else:
-            total += 1
-    return total
-
-
 def _guarded(index: int, count: int, line: int | None, judge: Callable[..., list[Any]], *args: Any) -> list[Any]:
     """``judge(*args)``, or, if it raises anything, the ``count`` samples from ``index`` quarantined with
     the error: one row can never end a run (only configuration errors do, and those are found at start)."""
     try:
         return judge(*args)
+    except ConfigurationError:
+        raise
     except Exception as exc:
         detail = f"{type(exc).__name__} while checking the row: {str(exc)[:300]}"
         return [Rejected(index + k, None, Reason.ROW_CHECK_FAILED, detail, line) for k in range(count)]

@@ -39,7 +39,7 @@ from hsx_extractor.run.consistency import (
     FinalState,
     SamplePicks,
 )
-from hsx_extractor.run.dataset import Prepared, Rejected, dataset_endpoint, read_samples, row_bytes_limit
+from hsx_extractor.run.dataset import Prepared, Rejected, dataset_endpoint, dataset_rows, read_samples
 from hsx_extractor.run.engine import (
     EngineContext,
     ShardWorker,
@@ -60,7 +60,6 @@ from hsx_extractor.run.planning import PlanAhead, check_committed, check_none_be
 from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.readers import Reader, owned_by, planned_reader, planning_reader
 from hsx_extractor.run.server_client import ServerClient
-from hsx_extractor.run.sources import iter_rows
 from hsx_extractor.run.tokens import ChatTokenizer, TokenizerError
 from hsx_extractor.run.validate import MismatchGate
 from hsx_extractor.sglang_hook.launch import HOOK_PRODUCER, SGLANG_VERSION
@@ -181,7 +180,7 @@ class Extraction:
         if not plan.digests or uri_stat(d.uri, where) == plan.source:
             return
         digests: dict[int, int] = {}
-        for row in hashed(iter_rows(d.uri, where, row_bytes_limit(d.maxLength)), digests):
+        for row in hashed(dataset_rows(self.cfg), digests):
             if row.line >= plan.last_line:
                 break
         changes = plan.changed_shards(digests)
@@ -416,7 +415,7 @@ class Extraction:
         )
 
         def items() -> Iterator[Prepared | Rejected]:
-            rows = hashed(iter_rows(d.uri, where, row_bytes_limit(d.maxLength)), digests)
+            rows = hashed(dataset_rows(self.cfg), digests)
             return read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns)
 
         def check_cut(cut: ShardCut) -> None:

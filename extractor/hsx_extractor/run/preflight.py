@@ -16,11 +16,10 @@ from hsx_extractor import protocol
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.contract import EXIT_OK
 from hsx_extractor.model import check_vocab, model_shape, read_model_config, text_config
-from hsx_extractor.run.dataset import Rejected, dataset_endpoint, read_samples, row_bytes_limit
+from hsx_extractor.run.dataset import Rejected, dataset_rows, read_samples
 from hsx_extractor.run.extraction import Extraction
 from hsx_extractor.run.failures import describe_failure, permanent
 from hsx_extractor.run.runner import write_termination_message
-from hsx_extractor.run.sources import iter_rows
 from hsx_extractor.storage.store import open_store
 
 # Rows read to prove the dataset opens, parses and renders with the chat template.
@@ -45,7 +44,7 @@ def preflight(cfg: ExtractConfig, say: Callable[[str], None]) -> None:
             )
     rows = list(
         islice(
-            iter_rows(cfg.dataset.uri, dataset_endpoint(cfg), row_bytes_limit(cfg.dataset.maxLength)),
+            dataset_rows(cfg),
             ROWS_READ,
         )
     )

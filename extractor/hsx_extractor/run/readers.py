@@ -9,11 +9,10 @@ from collections.abc import Callable
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.reasons import Reason
 from hsx_extractor.run.consistency import Consistency
-from hsx_extractor.run.dataset import Prepared, Rejected, dataset_endpoint, read_samples, row_bytes_limit
+from hsx_extractor.run.dataset import Prepared, Rejected, dataset_rows, read_samples
 from hsx_extractor.run.engine import ReaderEvent, ShardResumed, ShardRow
 from hsx_extractor.run.plan import ShardCut, ShardPlan, replica_owns
 from hsx_extractor.run.planning import PlanAhead, PlanStopped
-from hsx_extractor.run.sources import iter_rows
 from hsx_extractor.run.tokens import ChatTokenizer
 from hsx_extractor.storage.store import Store
 
@@ -46,7 +45,7 @@ def planned_reader(
     def read(emit: Callable[[ReaderEvent], None]) -> None:
         for cut in cuts:  # every shard's rows are known: the worker may seal one as soon as it is full
             emit(cut)
-        rows = iter_rows(d.uri, dataset_endpoint(cfg), row_bytes_limit(d.maxLength))
+        rows = dataset_rows(cfg)
         wanted = shard_of.__contains__
         for item in read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns, wanted):
             if item.index >= plan.rows:
@@ -91,7 +90,7 @@ def planning_reader(
             return placed is not None and mine(placed.shard) and placed.shard not in committed
 
         try:
-            rows = iter_rows(d.uri, dataset_endpoint(cfg), row_bytes_limit(d.maxLength))
+            rows = dataset_rows(cfg)
             for item in read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns, wanted):
                 placed = ahead.placement(item.index)
                 if placed is None:

@@ -23,7 +23,7 @@ import numpy as np
 
 from hsx_extractor.reasons import Reason
 from hsx_extractor.run import masks
-from hsx_extractor.run.dataset import RowRefused, Sample
+from hsx_extractor.run.dataset import ConfigurationError, RowRefused, Sample
 
 SpecialMode = Literal["text", "allow", "quarantine"]
 # Files that change how text becomes ids; all of them that exist feed the fingerprint.
@@ -45,7 +45,7 @@ MAX_EXAMINED = 64
 PROBE = [{"role": "user", "content": "Hello there."}, {"role": "assistant", "content": "Hi, how can I help?"}]
 
 
-class TokenizerError(RuntimeError):
+class TokenizerError(ConfigurationError):
     """The tokenizer cannot produce exact tokens and loss masks (a permanent, start-of-run error)."""
 
 

@@ -309,7 +309,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-model", action="store_true", help="keep the tiny model's temp directory")
     p.set_defaults(func=cmd_demo)
 
-    from hsx_extractor.tools.estimate import add_estimate_command
+    from hsx_extractor.tools.estimate_cli import add_estimate_command
     from hsx_extractor.tools.vocab import add_vocab_command
 
     add_estimate_command(sub)
