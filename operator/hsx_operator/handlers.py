@@ -292,16 +292,22 @@ def on_resume(**kwargs: Any) -> None:
     _handle("resume", kwargs)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=POLL_SECONDS, initial_delay=POLL_SECONDS)
-def on_timer(**kwargs: Any) -> None:
-    _handle("timer", kwargs)
-
-
 def ever_ran(status: Mapping[str, Any], **_: Any) -> bool:
     """Whether a Job of this resource was ever created (this run's or an earlier one's). kopf puts the
     finalizer only on such objects, so deleting a refused or never-started run waits on nothing, not
     even on a running operator; ownerReferences collect anything created after this was read."""
     return bool(status.get("startTime") or status.get("history"))
+
+
+def has_anything_to_poll(status: Mapping[str, Any], **_: Any) -> bool:
+    """Every run but one refused before any Job: kopf holds a finalizer for each object a timer
+    matches, so without this filter a refused run's delete would wait on the operator after all."""
+    return ever_ran(status) or status.get("phase") not in TERMINAL_PHASES
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=POLL_SECONDS, initial_delay=POLL_SECONDS, when=has_anything_to_poll)
+def on_timer(**kwargs: Any) -> None:
+    _handle("timer", kwargs)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, when=ever_ran)
