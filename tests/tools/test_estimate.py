@@ -316,3 +316,25 @@ def test_cli_reports_bad_paths_without_a_traceback(tmp_path: Path, capsys: pytes
     assert code == 2 and "does not exist" in out
     code, out = run_cli(["estimate", "--dataset", str(dataset), "--model", str(model)], capsys)
     assert code == 0, out
+
+
+def test_a_trial_whose_commit_record_names_another_runs_object_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--trial reads shard headers through commit records: one naming an object outside the trial
+    (here the other run's, whose ratio would be measured instead) stops the estimate with the reason."""
+    from hsx_extractor.config import OutputSpec
+    from hsx_extractor.storage.store import open_store
+    from tests.storage.samples import plan_for, write_run
+
+    output = OutputSpec.model_validate({"uri": str(tmp_path / "out"), "compression": "bf16-zstd"})
+    for run_id in ("trial", "other"):
+        write_run(open_store(output, run_id), plan_for(6, 3))
+    (record,) = (tmp_path / "out" / "trial").glob("**/commits/shard-000000*")
+    body = json.loads(record.read_text())
+    body["key"] = body["key"].replace("trial/", "other/", 1)
+    record.write_text(json.dumps(body))
+    argv = ["estimate", "--tokens", "1000", "--samples", "5", "--hidden-size", "64", "--num-layers", "8",
+            "--trial", str(tmp_path / "out" / "trial")]  # fmt: skip
+    code, out = run_cli(argv, capsys)
+    assert code == 2 and "names key 'other/" in out and "not this run's" in out and "Traceback" not in out

@@ -357,12 +357,17 @@ class Store:
 
     # -- reading ----------------------------------------------------------------------------
     def shard_object_key(self, shard: int | str) -> str:
-        """The object key of a committed shard (by index, via its commit record) or ``shard`` itself."""
+        """The object key of a committed shard (by index, via its commit record, which must name this
+        run's own key) or ``shard`` itself."""
         if isinstance(shard, str):
             return shard
         commit = self.get_commit(shard)
         if commit is None:
             raise PermanentStoreError(f"shard {shard} of {self.description} has no commit record")
+        try:
+            self.check_commit_key(commit)
+        except ShardFormatError as exc:
+            raise PermanentStoreError(str(exc)) from exc
         return commit.key
 
     def read_header(self, shard: int | str) -> ShardHeader:
