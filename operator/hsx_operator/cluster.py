@@ -11,7 +11,8 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -36,6 +37,11 @@ log = logging.getLogger("hsx_operator")
 # operator's reconcile by this much. The body is a few hundred bytes; anything past the cap is refused.
 PROGRESS_TIMEOUT = 2.0
 PROGRESS_MAX_BYTES = 1 << 20
+# One wide run's slow pods (64 pods x 2 s) must not hold the operator's workers: every run's polls
+# share these threads, and one reconcile waits at most POLL_BUDGET_SECONDS (the rest answer next time).
+POLL_WORKERS = 16
+POLL_BUDGET_SECONDS = 5.0
+_POLLS = ThreadPoolExecutor(max_workers=POLL_WORKERS, thread_name_prefix="hsx-progress")
 
 
 class ProgressPollError(Exception):
@@ -291,3 +297,19 @@ def poll_progress(pod: Mapping[str, Any], port: int, run_id: str) -> dict[str, A
     if report.get("runId", run_id) != run_id:
         return None
     return report
+
+
+def poll_pods(
+    pods: Sequence[Mapping[str, Any]], port: int, run_id: str, budget: float = POLL_BUDGET_SECONDS
+) -> dict[str, dict[str, Any]]:
+    """The reports of the pods that answered within ``budget`` seconds, by pod name; polls not yet
+    started then are cancelled, so a run's round never outlasts its budget nor leaves work queued."""
+    futures = {p["metadata"]["name"]: _POLLS.submit(poll_progress, p, port, run_id) for p in pods}
+    done, _ = wait(futures.values(), timeout=budget)
+    reports = {}
+    for name, future in futures.items():
+        if future not in done:
+            future.cancel()
+        elif (report := future.result()) is not None:
+            reports[name] = report
+    return reports

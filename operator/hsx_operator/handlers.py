@@ -12,7 +12,6 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import kopf
@@ -22,7 +21,7 @@ from pydantic import ValidationError
 
 from hsx_operator import metrics
 from hsx_operator.api import GROUP, PLURAL, VERSION, ExtractionJobSpec
-from hsx_operator.cluster import Cluster, client_refusal, create_refusal, poll_progress
+from hsx_operator.cluster import Cluster, client_refusal, create_refusal, poll_pods
 from hsx_operator.desired import (
     LABEL_QUEUE,
     LABEL_RUN,
@@ -189,14 +188,7 @@ def _reconcile(
         and bool((job["metadata"].get("labels") or {}).get(LABEL_QUEUE))
     )
     kueue = cluster.kueue_view(namespace, job["metadata"]["uid"]) if waits_for_kueue and job else None
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        reports = dict(
-            zip(
-                [p["metadata"]["name"] for p in polled],
-                pool.map(lambda p: poll_progress(p, xj.extractor.progressPort, xj.runId), polled),
-                strict=True,
-            )
-        )
+    reports = poll_pods(polled, xj.extractor.progressPort, xj.runId)
     now = cluster.now()  # the API server's clock, as the Job's timestamps are
     outcome = observe(
         xj_name=name,
@@ -206,7 +198,7 @@ def _reconcile(
         job=job,
         pods=pods,
         events=events,
-        progress={k: v for k, v in reports.items() if v},
+        progress=reports,
         now=now,
         job_events=job_events,
         refusal=refusal,

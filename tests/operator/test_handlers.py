@@ -10,6 +10,7 @@ import kopf
 import pytest
 from kubernetes.client.rest import ApiException
 
+from hsx_operator import cluster as cluster_module
 from hsx_operator import handlers
 from hsx_operator.policy import NodeAccessPolicy
 from hsx_operator.status import ExtractionJobStatus
@@ -80,7 +81,7 @@ def world(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     def poll(*args: Any) -> None:
         seen["polls"] += 1
 
-    monkeypatch.setattr(handlers, "poll_progress", poll)
+    monkeypatch.setattr(cluster_module, "poll_progress", poll)
     monkeypatch.setattr(kopf, "event", lambda body, **kw: seen["events"].append(kw))
     monkeypatch.setattr(kopf, "info", lambda body, **kw: seen["events"].append({"type": "Normal", **kw}))
     return seen

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from hsx_operator.cluster import PROGRESS_TIMEOUT, poll_progress
+from hsx_operator.cluster import POLL_WORKERS, PROGRESS_TIMEOUT, poll_pods, poll_progress
 from hsx_operator.desired import EXTRACTOR_CONTAINER
 
 REPORT = {"runId": "r1", "replicaIndex": 0, "state": "running", "samplesDone": 3}
@@ -86,6 +86,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, b'{"runId": "r1", "samplesDone": Infinity}')
             elif mode == "list":
                 self._send(200, b"[1, 2, 3]")
+            elif mode == "slow":  # a well-formed answer after half a second
+                time.sleep(0.5)
+                self._send(200, json.dumps(REPORT).encode())
             elif mode == "other_run":
                 self._send(200, json.dumps({**REPORT, "runId": "r0"}).encode())
         except (BrokenPipeError, ConnectionResetError):
@@ -157,3 +160,16 @@ def test_a_trickling_answer_is_cut_at_the_deadline(progress_server: _Server) -> 
 def test_bodies_that_are_no_report_of_this_run_are_ignored(progress_server: _Server, mode: str) -> None:
     got, elapsed = _poll(progress_server, mode)
     assert got is None and elapsed < PROGRESS_TIMEOUT + 1
+
+
+def test_a_wide_runs_slow_pods_end_its_round_at_the_budget(progress_server: _Server) -> None:
+    """96 pods answering in 0.5 s each need 3 s of the shared poll threads; a 1.6 s budget returns the
+    reports that came (at least the first POLL_WORKERS), and the polls never started are dropped,
+    not left queued in front of the next run's."""
+    progress_server.mode = "slow"
+    pods = [{**_pod(), "metadata": {"name": f"pod-{i}"}} for i in range(96)]
+    reports = poll_pods(pods, progress_server.server_port, "r1", budget=1.6)
+    assert POLL_WORKERS <= len(reports) < 96 and all(r == REPORT for r in reports.values())
+    time.sleep(1.0)  # the polls running at the budget finish; none queued behind them may start
+    assert len(progress_server.paths) < 96
+
