@@ -400,3 +400,41 @@ def test_a_local_ranged_read_past_the_end_allocates_what_exists(tmp_path: Path) 
     into = memoryview(bytearray(16))
     assert bytes(backend.get_range_into("k", 4, into)) == b"456789"  # what exists
     assert bytes(backend.get_range_into("k", 20, into)) == b""
+
+
+def test_an_oversized_stored_json_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """A manifest past MAX_NAMED_JSON_BYTES (a sparse 1 GiB file here) is refused from its size:
+    the bytes are never read into memory."""
+    from hsx_extractor.storage import store as store_module
+    from hsx_extractor.storage.backends import PermanentStoreError
+
+    spec = OutputSpec.model_validate({"uri": str(tmp_path / "out")})
+    store = open_store(spec, RUN)
+    manifest = tmp_path / "out" / RUN / "manifest.json"
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    with open(manifest, "wb") as f:
+        f.truncate(store_module.MAX_NAMED_JSON_BYTES + 1)
+    tracemalloc.start()
+    try:
+        with pytest.raises(PermanentStoreError, match=r"manifest.json is 1073741825 bytes, more than the 1073741824"):
+            store.get_json("manifest.json")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+
+
+@pytest.mark.s3
+def test_an_oversized_commit_record_on_s3_is_refused_from_its_length(
+    tmp_path: Path, s3_env: Any, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3's GetObject gives the length first: a record past the bound is refused and its body never read."""
+    from hsx_extractor.storage import store as store_module
+    from hsx_extractor.storage.backends import PermanentStoreError
+
+    monkeypatch.setattr(store_module, "MAX_COMMIT_BYTES", 4096)
+    spec = OutputSpec.model_validate({"uri": f"s3://{s3_bucket}", "endpoint": s3_env.endpoint, "pathStyle": True})
+    store = open_store(spec, RUN)
+    s3_env.client().put_object(Bucket=s3_bucket, Key=store.layout.commit_key(0), Body=b" " * 5000)
+    with pytest.raises(PermanentStoreError, match=r"is damaged: object .*shard-000000.* is 5000 bytes, more than the 4096"):
+        store.get_commit(0)

@@ -177,7 +177,7 @@ def test_a_read_timeout_is_retried(s3_env: S3Server, s3_bucket: str) -> None:
         config = S3TransferConfig(read_timeout=0.5, backoff_base=0.01)
         spec = _spec(proxy.endpoint, s3_bucket)
         backend = S3Backend(make_client(S3Endpoint.of(spec), config), s3_bucket, config, "k")
-        assert backend.get("k/obj") == b"payload"
+        assert backend.get("k/obj", 1 << 20) == b"payload"
         assert slow_get.times == 0 and backend.retrier.retries == 1
 
 

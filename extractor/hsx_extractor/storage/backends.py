@@ -15,6 +15,7 @@ from typing import Protocol
 
 from hsx_extractor.contract import EXIT_PERMANENT, EXIT_TRANSIENT
 from hsx_extractor.storage.layout import InvalidKeyError
+from hsx_extractor.storage.stored_json import ShardFormatError
 
 
 class StoreError(Exception):
@@ -48,12 +49,20 @@ class ObjectSource(Protocol):
         ...
 
 
+def check_object_size(key: str, size: int, max_bytes: int) -> None:
+    if size > max_bytes:
+        raise ShardFormatError(f"object {key} is {size} bytes, more than the {max_bytes} allowed for it")
+
+
 class Backend(Protocol):
     """What the commit protocol needs from a store. Keys are relative to the store root."""
 
     description: str  # for messages: "s3://bucket" or a directory
 
-    def get(self, key: str) -> bytes | None: ...
+    def get(self, key: str, max_bytes: int) -> bytes | None:
+        """The whole object, None if absent; :class:`ShardFormatError` (before reading it) if it is
+        larger than ``max_bytes``: only small JSON objects are read whole."""
+        ...
 
     def get_range(self, key: str, start: int, length: int) -> bytes: ...
 
@@ -90,9 +99,12 @@ class LocalBackend:
             raise InvalidKeyError(f"key {key!r} escapes {self.root}")
         return path
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, max_bytes: int) -> bytes | None:
         try:
-            return self._path(key).read_bytes()
+            with open(self._path(key), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                check_object_size(key, size, max_bytes)
+                return f.read(size)  # read(n) allocates n first: ask for what the file holds
         except FileNotFoundError:
             return None
 

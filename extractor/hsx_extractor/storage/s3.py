@@ -9,6 +9,7 @@ boto3 client built by :func:`~hsx_extractor.storage.s3_client.make_client`.
 from __future__ import annotations
 
 import base64
+import contextlib
 import threading
 import uuid
 from collections.abc import Iterator
@@ -22,7 +23,12 @@ from isal import isal_zlib
 
 from hsx_extractor.config import OutputSpec
 from hsx_extractor.storage import failpoints
-from hsx_extractor.storage.backends import ObjectSource, PermanentStoreError, TransientStoreError
+from hsx_extractor.storage.backends import (
+    ObjectSource,
+    PermanentStoreError,
+    TransientStoreError,
+    check_object_size,
+)
 from hsx_extractor.storage.layout import InvalidKeyError, parse_output_uri, validate_prefix
 from hsx_extractor.storage.s3_client import (
     CONFLICT,
@@ -296,14 +302,19 @@ class S3Backend:
                 "Ceph RGW and SeaweedFS do), or write to another store."
             )
 
-    def get(self, key: str) -> bytes | None:
-        def fetch() -> bytes:
-            return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()  # type: ignore[no-any-return]
+    def get(self, key: str, max_bytes: int) -> bytes | None:
+        def fetch() -> tuple[int, bytes]:
+            response = self.client.get_object(Bucket=self.bucket, Key=key)
+            with contextlib.closing(response["Body"]) as body:
+                size = int(response.get("ContentLength", 0))
+                return size, body.read() if size <= max_bytes else b""
 
         try:
-            return self.retrier.call("GetObject", key, fetch, passthrough=(NOT_FOUND,))
+            size, data = self.retrier.call("GetObject", key, fetch, passthrough=(NOT_FOUND,))
         except botocore.exceptions.ClientError:
             return None
+        check_object_size(key, size, max_bytes)  # before any body was read
+        return data
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         return bytes(self._get_range(key, start, length, None))

@@ -238,10 +238,10 @@ class Store:
 
     # -- small JSON objects -------------------------------------------------------------
     def get_json(self, name: str) -> dict[str, Any] | None:
-        data = self.backend.get(self.layout.key(validate_name(name)))
-        if data is None:
-            return None
         try:
+            data = self.backend.get(self.layout.key(validate_name(name)), MAX_NAMED_JSON_BYTES)
+            if data is None:
+                return None
             obj = load_json(data, name, MAX_NAMED_JSON_BYTES)
         except ShardFormatError as exc:
             raise PermanentStoreError(f"{self.description}/{name}: {exc}") from exc
@@ -272,10 +272,10 @@ class Store:
         return found
 
     def get_commit(self, shard_index: int) -> ShardCommit | None:
-        data = self.backend.get(self.layout.commit_key(shard_index))
-        if data is None:
-            return None
         try:
+            data = self.backend.get(self.layout.commit_key(shard_index), MAX_COMMIT_BYTES)
+            if data is None:
+                return None
             commit = ShardCommit.from_bytes(data)
         except ShardFormatError as exc:
             raise PermanentStoreError(
@@ -322,8 +322,8 @@ class Store:
         if self.backend.put_if_absent(commit_key, record):
             failpoints.reach("record-written")
             return
-        existing = self.backend.get(commit_key)
         try:
+            existing = self.backend.get(commit_key, MAX_COMMIT_BYTES)
             stored = load_json(existing, "commit record", MAX_COMMIT_BYTES) if existing is not None else None
             theirs_commit = ShardCommit.from_json(stored) if isinstance(stored, dict) else None
         except ShardFormatError:
