@@ -134,9 +134,12 @@ TRICKY: list[bytes] = [
     chat("k-answer-last", ("user", "2+2?"), ("assistant", "Two and two. Answer: 4.")),  # stable: it is the last turn
 ]
 DATASET_REASONS = {r for r in Reason if r.value not in {"id_mismatch", "length_mismatch", "non_finite", "no_dump",
-                                                          "server_error", "special_tokens_in_content"}}
+                                                          "server_error", "special_tokens_in_content",
+                                                          "row_check_failed"}}
 # special_tokens_in_content needs dataset.specialTokensInContent: quarantine (or a tokenizer that cannot keep
 # such text as text); tests/run/test_dataset.py covers it. Here content specials are text (the TRICKY rows).
+# row_check_failed is the net under every check (an error no check names): no row of data should reach it;
+# tests/run/test_hostile_rows.py drives it with a failing renderer.
 
 
 def corpus() -> tuple[bytes, dict[int, Reason], dict[int, int], int]:

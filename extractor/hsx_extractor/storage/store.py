@@ -32,7 +32,6 @@ from hsx_extractor.config import OutputSpec
 from hsx_extractor.storage import failpoints, native
 from hsx_extractor.storage.backends import (
     Backend,
-    LocalBackend,
     ObjectSource,
     PermanentStoreError,
     ShardConflictError,
@@ -41,7 +40,7 @@ from hsx_extractor.storage.backends import (
 from hsx_extractor.storage.commit_record import MAX_COMMIT_BYTES, QuarantineEntry, ShardCommit
 from hsx_extractor.storage.compress import PlaneBuffers
 from hsx_extractor.storage.layer_stats import combine, layer_norms, sample_norm_sums
-from hsx_extractor.storage.layout import MANIFEST_NAME, RunLayout, parse_output_uri, validate_name
+from hsx_extractor.storage.layout import MANIFEST_NAME, RunLayout, validate_name
 from hsx_extractor.storage.manifest import build_manifest
 from hsx_extractor.storage.shard_format import (
     COMPRESSION_CODECS,
@@ -60,6 +59,7 @@ from hsx_extractor.storage.shard_format import (
 from hsx_extractor.storage.spool import SpooledObject, SpoolFiles, pwrite_all
 from hsx_extractor.storage.stored_json import load_json
 from hsx_extractor.storage.token_counts import add_counts, count_masked
+from hsx_extractor.storage.uris import open_backend
 
 HEAD_PROBE_BYTES = 64 << 10  # first read of a shard; usually holds the whole header
 MAX_NAMED_JSON_BYTES = 1 << 30  # plan.json and manifest.json: beyond this, damage
@@ -470,18 +470,6 @@ class Store:
         failpoints.reach("finalizing")
         manifest = build_manifest(self.layout.run_id, self.output.compression, commits, sections)
         return self.put_json_if_absent(MANIFEST_NAME, manifest)
-
-
-def open_backend(uri: str, output: OutputSpec | None = None) -> tuple[Backend, str]:
-    """The backend for an output URI and the key prefix inside it."""
-    location = parse_output_uri(uri)
-    if location.bucket is None:
-        return LocalBackend(location.prefix), ""
-    from hsx_extractor.storage.s3 import S3Backend
-
-    return S3Backend.from_output(
-        location.bucket, output or OutputSpec.model_validate({"uri": uri})
-    ), location.prefix
 
 
 def open_store(

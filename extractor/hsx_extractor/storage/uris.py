@@ -1,5 +1,6 @@
-"""Reading inputs that are not a run's own objects: a dataset file or object, local or ``s3://``,
-as lines, chunks, random access (Parquet) or a stat that tells whether it was rewritten."""
+"""URIs to storage: the backend of an output URI, and reading inputs that are not a run's own
+objects (a dataset file or object, local or ``s3://``, as lines, chunks, random access (Parquet)
+or a stat that tells whether it was rewritten)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hsx_extractor.storage.backends import LocalBackend, ObjectSource, PermanentStoreError
+from hsx_extractor.config import OutputSpec
+from hsx_extractor.storage.backends import Backend, LocalBackend, ObjectSource, PermanentStoreError
+from hsx_extractor.storage.layout import parse_output_uri
 from hsx_extractor.storage.s3_client import S3Endpoint
+
+
+def open_backend(uri: str, output: OutputSpec | None = None) -> tuple[Backend, str]:
+    """The backend for an output URI and the key prefix inside it."""
+    location = parse_output_uri(uri)
+    if location.bucket is None:
+        return LocalBackend(location.prefix), ""
+    from hsx_extractor.storage.s3 import S3Backend
+
+    return S3Backend.from_output(
+        location.bucket, output or OutputSpec.model_validate({"uri": uri})
+    ), location.prefix
 
 
 def _s3_object(uri: str, where: S3Endpoint | None) -> tuple[Any, str]:

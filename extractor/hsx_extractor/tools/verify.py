@@ -27,8 +27,9 @@ from hsx_extractor.storage.shard_format import (
     checksum,
     decode_sample,
 )
-from hsx_extractor.storage.store import Store, open_backend, open_store
+from hsx_extractor.storage.store import Store, open_store
 from hsx_extractor.storage.token_counts import add_counts, count_masked
+from hsx_extractor.storage.uris import open_backend
 
 STREAM_CHUNK = 16 << 20
 MAX_LISTED_ERRORS = 50
