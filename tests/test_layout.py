@@ -16,7 +16,7 @@ OPERATOR = ROOT / "operator" / "hsx_operator"
 MAX_MODULE_LINES = 500
 
 # The extractor's top level: facts shared by every room. None imports a room.
-SHARED = {"config", "contract", "reasons", "protocol", "model"}
+SHARED = {"config", "contract", "reasons", "protocol", "model", "usage"}
 # What the operator may take from the extractor: its config and contract, file-name constants,
 # and the engines' launchers (pure: they build the server's command line).
 OPERATOR_MAY_IMPORT = {
@@ -25,6 +25,7 @@ OPERATOR_MAY_IMPORT = {
     "hsx_extractor.contract",
     "hsx_extractor.protocol",
     "hsx_extractor.storage.layout",
+    "hsx_extractor.usage",
     "hsx_extractor.sglang_hook.launch",
     "hsx_extractor.vllm_hook.launch",
 }

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from hsx_extractor.usage import UsageError
+
 RUN_ID_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$"
 
 
@@ -34,6 +36,17 @@ def check_uri(uri: str) -> str:
     if uri.startswith("s3://") and not re.match(S3_URI_PATTERN, uri):
         raise ValueError(f"URI {uri!r} must be s3://bucket/key: a bucket name, no spaces or line breaks")
     return uri
+
+
+def check_local_directory(text: str, what: str) -> Path:
+    """A local directory named on the command line; an ``s3://`` URI or anything else that looks
+    like one (``s3:/bucket``, which a path would turn into ``./s3:/bucket``) is a :class:`UsageError`."""
+    if _SCHEME.match(text) and not text.startswith("file://"):
+        raise UsageError(
+            f"{what} {text!r} must be a local directory: hsx writes it locally (copy it to object storage "
+            "afterwards, e.g. aws s3 cp --recursive)"
+        )
+    return Path(text.removeprefix("file://"))
 
 
 def check_endpoint(url: str | None) -> str | None:
@@ -281,6 +294,12 @@ class ExtractConfig(_Spec):
     validation: ValidationSpec = Field(default_factory=ValidationSpec)  # type: ignore[arg-type]
     concurrency: int = Field(32, ge=1, le=1024, description="Requests in flight at the server.")
     serverUrl: str = Field("http://127.0.0.1:30000", description="Base URL of the extraction server.")
+    serverStartTimeoutSeconds: float = Field(
+        600.0,
+        gt=0,
+        description="How long to wait for the server's /health before failing (weights loading); the log and "
+        "/progress lastError say what is awaited and the last connection error meanwhile.",
+    )
     engine: Literal["sglang", "vllm"] = Field(
         "sglang",
         description="The extraction server's engine: its request API (SGLang /generate, vLLM /v1/completions).",
@@ -331,6 +350,8 @@ def with_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
         *parents, leaf = dotted.split(".")
         for p in parents:
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise UsageError(f"cannot set {dotted}: {p} is a {type(node).__name__}, not a group of fields")
         node[leaf] = value
     return data
 

@@ -127,6 +127,8 @@ def extract_config(spec: ExtractionJobSpec) -> ExtractConfig:
         validation=spec.validation,
         concurrency=spec.concurrency,
         serverUrl=f"http://127.0.0.1:{spec.server.port}",
+        # As long as the server's startup probe lets it load (a big model takes more than 10 minutes).
+        serverStartTimeoutSeconds=float(spec.server.startupTimeoutSeconds),
         engine=spec.server.engine,
         dumpDir=DUMP_DIR,
         dumpDirMaxBytes=spec.extractor.dumpDirMaxBytes,

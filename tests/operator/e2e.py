@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from hsx_extractor.config import OutputSpec
 from hsx_extractor.run.plan import PLAN_NAME
 from hsx_extractor.storage.store import open_store
@@ -166,3 +168,24 @@ def status_patches(ns: Namespace) -> int:
             total += int(float(line.rsplit(" ", 1)[1]))
     return total
 
+
+
+def rendered(ns: Namespace, manifest: dict[str, Any], workdir: Path) -> list[dict[str, Any]]:
+    """What `hsx render -f` prints for ``manifest`` in ``ns``: the ConfigMap and the Job."""
+    path = workdir / f"render-{manifest['metadata']['name']}.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    done = subprocess.run([HSX, "render", "-f", str(path), "-n", ns.name], capture_output=True, text=True, check=True)
+    return list(yaml.safe_load_all(done.stdout))
+
+
+def missing_from(actual: Any, expected: Any, where: str = "") -> list[str]:
+    """Where ``actual`` lacks or differs from ``expected`` (the API server may add defaults, nothing else)."""
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict):
+            return [f"{where}: {actual!r} is not a mapping"]
+        return [m for k, v in expected.items() for m in missing_from(actual.get(k), v, f"{where}.{k}")]
+    if isinstance(expected, list):
+        if not isinstance(actual, list) or len(actual) != len(expected):
+            return [f"{where}: {actual!r} != {expected!r}"]
+        return [m for i, (a, e) in enumerate(zip(actual, expected, strict=True)) for m in missing_from(a, e, f"{where}[{i}]")]
+    return [] if actual == expected else [f"{where}: {actual!r} != {expected!r}"]

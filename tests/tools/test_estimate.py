@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hsx_extractor.contract import EXIT_PERMANENT
 from hsx_extractor.model import ModelConfigError, model_dims
 from hsx_extractor.storage import shard_format as shards
 from hsx_extractor.storage.commit_record import ShardCommit
@@ -171,7 +172,7 @@ def test_a_trial_run_gives_its_hidden_state_ratio_to_the_hidden_states(
     assert code == 0 and body["ratioMeasuredOn"] == "hidden" and body["assumedRatio"] == pytest.approx(expected)
     assert body["storedBytes"] == math.ceil(body["hiddenBytes"] / body["assumedRatio"]) + body["tokenBytes"] + body["indexBytes"]
     code, out = run_cli([*argv[:-1], str(tmp_path / "out" / "none")], capsys)
-    assert code == 2 and "no committed shard" in out and "Traceback" not in out
+    assert code == EXIT_PERMANENT and "no committed shard" in out and "Traceback" not in out
 
 
 def test_rejected_and_duplicate_rows_write_no_hidden_states() -> None:
@@ -221,11 +222,14 @@ def test_model_dims_reads_text_config_of_multimodal_models() -> None:
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """The exit code and what was printed: the result on stdout, or (an error) only on stderr."""
     parser = argparse.ArgumentParser(prog="hsx")
     add_estimate_command(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     code = args.func(args)
-    return code, capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert (code == 0) == bool(captured.out) and (code == 0) == (not captured.err), captured
+    return code, captured.out or captured.err
 
 
 def test_cli_prints_raw_and_compressed_sizes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -274,7 +278,7 @@ def test_cli_counts_aux_layer_ids(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cli_explains_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     code, out = run_cli(["estimate", "--tokens", "1000", "--hidden-size", "64"], capsys)
-    assert code == 2 and "--num-layers" in out
+    assert code == EXIT_PERMANENT and "--num-layers" in out
     code, out = run_cli(
         [
             "estimate",
@@ -289,7 +293,7 @@ def test_cli_explains_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
         ],
         capsys,
     )
-    assert code == 2 and "[1, 2]" in out
+    assert code == EXIT_PERMANENT and "[1, 2]" in out
 
 
 def test_format_mentions_quarantined_rows() -> None:
@@ -307,13 +311,13 @@ def test_cli_reports_bad_paths_without_a_traceback(tmp_path: Path, capsys: pytes
     dataset = tmp_path / "d.jsonl"
     dataset.write_text('{"id": 1, "input_ids": [1, 2], "loss_mask": [0, 1]}\n')
     code, out = run_cli(["estimate", "--dataset", str(dataset), "--model", str(model)], capsys)
-    assert code == 2 and "holds no tokenizer" in out and "Traceback" not in out
+    assert code == EXIT_PERMANENT and "holds no tokenizer" in out and "Traceback" not in out
     build_tokenizer(model, 512)
     template = tmp_path / "t.jinja"
     code, out = run_cli(["estimate", "--dataset", str(dataset), "--model", str(model), "--chat-template", str(template)], capsys)
-    assert code == 2 and "t.jinja" in out
+    assert code == EXIT_PERMANENT and "t.jinja" in out
     code, out = run_cli(["estimate", "--dataset", str(tmp_path / "absent.jsonl"), "--model", str(model)], capsys)
-    assert code == 2 and "does not exist" in out
+    assert code == EXIT_PERMANENT and "does not exist" in out
     code, out = run_cli(["estimate", "--dataset", str(dataset), "--model", str(model)], capsys)
     assert code == 0, out
 
@@ -337,4 +341,4 @@ def test_a_trial_whose_commit_record_names_another_runs_object_is_refused(
     argv = ["estimate", "--tokens", "1000", "--samples", "5", "--hidden-size", "64", "--num-layers", "8",
             "--trial", str(tmp_path / "out" / "trial")]  # fmt: skip
     code, out = run_cli(argv, capsys)
-    assert code == 2 and "names key 'other/" in out and "not this run's" in out and "Traceback" not in out
+    assert code == EXIT_PERMANENT and "names key 'other/" in out and "not this run's" in out and "Traceback" not in out

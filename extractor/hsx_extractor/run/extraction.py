@@ -72,7 +72,6 @@ from hsx_extractor.storage.uris import open_uri_chunks, uri_stat
 from hsx_extractor.vllm_hook.launch import PRODUCER as VLLM_PRODUCER
 from hsx_extractor.vllm_hook.launch import VLLM_VERSION
 
-SERVER_START_TIMEOUT_S = 600.0
 # The producer each engine's dumps name (spec.server.engine -> hook/connector).
 ENGINE_PRODUCERS = {"sglang": HOOK_PRODUCER, "vllm": VLLM_PRODUCER}
 
@@ -289,7 +288,7 @@ class Extraction:
         async with aiohttp.ClientSession(connector=connector) as session:
             client = ServerClient(cfg.serverUrl, session, cfg.concurrency, engine=cfg.engine)
             self.progress.watch_in_flight(lambda: client.in_flight)
-            await client.wait_healthy(SERVER_START_TIMEOUT_S)
+            await client.wait_healthy(cfg.serverStartTimeoutSeconds, self.progress.waiting)
             info = await client.model_info()
             shape = model_shape(info, cfg.modelPath, cfg.auxLayerIds, cfg.engine)
             check_vocab(shape, tok.vocab_size, cfg.modelPath)

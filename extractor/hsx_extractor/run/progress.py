@@ -46,6 +46,7 @@ class Progress:
     # read so far, and there is no ETA.
     planning: bool = False
     last_error: str | None = None
+    waiting_for: str | None = None  # before running: what the run waits for (the server's /health)
     quarantined: Counter[str] = field(default_factory=Counter)
     # Rates count from the first request (not from start-up) to the end of the run.
     running_since: float | None = None
@@ -138,7 +139,13 @@ class Progress:
     def watch_consistency(self, probe: Callable[[], tuple[int, int]]) -> None:
         self._consistency_probe = probe
 
+    def waiting(self, why: str) -> None:
+        """Before the run starts: what it waits for (shown in lastError and the log line)."""
+        self.last_error = self.waiting_for = why
+
     def mark_running(self) -> None:
+        if self.last_error is not None and self.last_error == self.waiting_for:
+            self.last_error = None  # the wait is over; a real error stays
         self.state = "running"
         self.running_since = time.monotonic()
         self._marks.clear()
@@ -226,6 +233,7 @@ class Progress:
             f"tok/s={s['tokensPerSecond']:.1f} shards={s['shardsCommitted']}/{s['shardsTotal']} "
             f"bytes={s['bytesCommitted']} in_flight={s['requestsInFlight']} eta={eta}"
             f" checked={s['consistencyChecked']} inconsistent={s['consistencyFailed']}"
+            + (f" ({s['lastError']})" if s["state"] == "starting" and s["lastError"] else "")
         )
 
 

@@ -9,7 +9,7 @@ import signal
 import sys
 
 from hsx_extractor.config import ExtractConfig
-from hsx_extractor.contract import EXIT_OK, EXIT_TRANSIENT
+from hsx_extractor.contract import EXIT_OK, EXIT_PERMANENT, EXIT_TRANSIENT
 from hsx_extractor.run.extraction import Extraction, RunResult
 from hsx_extractor.run.failures import describe_failure
 from hsx_extractor.run.progress import Progress, report_loop, start_progress_server
@@ -21,7 +21,16 @@ async def extract(cfg: ExtractConfig, progress: Progress | None = None) -> tuple
     progress = run.progress
     runner = None
     if cfg.progressPort:
-        runner = await start_progress_server(progress, cfg.progressHost, cfg.progressPort)
+        try:
+            runner = await start_progress_server(progress, cfg.progressHost, cfg.progressPort)
+        except OSError as exc:
+            print(
+                f"hsx extract: error: cannot serve progress on {cfg.progressHost}:{cfg.progressPort} "
+                f"({exc.strerror or exc}): choose another progressPort (0: none)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_PERMANENT, None
         print(f"hsx: progress on http://{cfg.progressHost}:{cfg.progressPort}/progress", flush=True)
     reporter = asyncio.create_task(report_loop(progress, cfg.logIntervalSeconds))
     loop = asyncio.get_running_loop()
@@ -52,7 +61,7 @@ async def extract(cfg: ExtractConfig, progress: Progress | None = None) -> tuple
     if result is not None:
         state = "manifest written" if result.manifest else "other replicas' shards pending; no manifest yet"
         print(f"hsx extract: done: {result.output} ({state})", flush=True)
-    print(f"hsx extract: samples {progress.quarantine_summary()}", flush=True)
+        print(f"hsx extract: samples {progress.quarantine_summary()}", flush=True)
     return code, result
 
 

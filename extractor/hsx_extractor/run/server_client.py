@@ -97,21 +97,28 @@ class ServerClient:
         self.max_in_flight = 0
         self.request_timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=30)
         self.connect_retries = connect_retries
+        self.health_error: str | None = None
 
     async def health(self) -> bool:
+        """Whether /health answers 200; if not, :attr:`health_error` says what came back instead."""
         try:
             async with self.session.get(
                 f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=10)
             ) as r:
+                self.health_error = None if r.status == 200 else f"HTTP {r.status}"
                 return r.status == 200
-        except (aiohttp.ClientError, TimeoutError):
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.health_error = f"{type(exc).__name__}: {str(exc)[:200]}" if str(exc) else type(exc).__name__
             return False
 
-    async def wait_healthy(self, timeout: float) -> None:
+    async def wait_healthy(self, timeout: float, waiting: Callable[[str], None] = lambda _: None) -> None:
+        """Wait for /health, telling ``waiting`` what is awaited and the last error on each miss."""
         deadline = time.monotonic() + timeout
         while not await self.health():
+            why = f"waiting for the server at {self.base_url}/health: {self.health_error}"
             if time.monotonic() > deadline:
-                raise ServerUnavailable(f"{self.base_url}/health did not answer 200 within {timeout:.0f}s")
+                raise ServerUnavailable(f"{why}; gave up after {timeout:.0f}s (serverStartTimeoutSeconds)")
+            waiting(why)
             await asyncio.sleep(0.5)
 
     async def model_info(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from hsx_extractor.config import RUN_ID_PATTERN
+from hsx_extractor.usage import UsageError
 
 SHARDS_DIR = "shards"
 COMMITS_DIR = "commits"
@@ -33,7 +34,7 @@ _SHARD_RE = re.compile(r"^shard-(\d{6,7})-([0-9a-f]{16})\.safetensors$")
 _CHECKSUM_RE = re.compile(r"^[0-9a-f]{16}$")
 
 
-class InvalidKeyError(ValueError):
+class InvalidKeyError(UsageError):
     """A key component is unsafe (``..``, absolute, empty segment, odd characters)."""
 
 

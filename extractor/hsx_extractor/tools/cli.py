@@ -6,13 +6,20 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import yaml
 from pydantic import ValidationError
 
-from hsx_extractor.config import ExtractConfig, load_config, with_overrides
+from hsx_extractor.config import ExtractConfig, with_overrides
 from hsx_extractor.contract import EXIT_OK, EXIT_PERMANENT
+from hsx_extractor.usage import UsageError, describe_validation_error, user_message
+
+# Packages that add to hsx: hsx's operator package reads ExtractionJob manifests and renders Jobs
+# (the extractor never imports the operator; pyproject.toml names the entry point).
+PLUGIN_GROUP = "hsx.plugins"
 
 # `hsx extract` flags -> dotted config field names (the ExtractionJob spec's names).
 EXTRACT_FLAGS: dict[str, tuple[str, type]] = {
@@ -45,12 +52,24 @@ EXTRACT_FLAGS: dict[str, tuple[str, type]] = {
 }
 
 
-def _parse_set(values: Sequence[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def plugins() -> list[Any]:
+    """The modules registered under :data:`PLUGIN_GROUP`, loaded."""
+    return [ep.load() for ep in metadata.entry_points(group=PLUGIN_GROUP)]
+
+
+def _parse_pairs(values: Sequence[str], flag: str, what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
     for item in values:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"--set wants FIELD=VALUE, got {item!r}")
+            raise UsageError(f"{flag} wants {what}, got {item!r}")
+        out[key] = raw
+    return out
+
+
+def _parse_set(values: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, raw in _parse_pairs(values, "--set", "FIELD=VALUE").items():
         try:
             out[key] = json.loads(raw)
         except ValueError:
@@ -58,25 +77,81 @@ def _parse_set(values: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def extract_config(args: argparse.Namespace) -> ExtractConfig:
-    """The config from ``--config FILE`` (if any) with flags and ``--set`` applied on top."""
-    overrides = {
+def read_yaml(path: str | Path, what: str) -> list[Any]:
+    """The YAML documents of ``path``; a missing file or bad YAML is a :class:`UsageError`."""
+    try:
+        return list(yaml.safe_load_all(Path(path).read_text()))
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{what} {path} is not valid YAML: {' '.join(str(exc).split())[:300]}") from None
+
+
+def _flattened(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as dotted keys (``{"output": {"uri": x}}`` -> ``{"output.uri": x}``)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        out.update(_flattened(value, dotted) if isinstance(value, dict) else {dotted: value})
+    return out
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """``--override FILE`` (config fields, nested or dotted), then flags, then ``--set``, later wins."""
+    overrides: dict[str, Any] = {}
+    if args.override:
+        docs = read_yaml(args.override, "override file")
+        if len(docs) != 1 or not isinstance(docs[0], dict):
+            raise UsageError(f"override file {args.override} must hold one mapping of config fields")
+        overrides.update(_flattened(docs[0]))
+    overrides.update({
         field: getattr(args, flag)
         for flag, (field, _) in EXTRACT_FLAGS.items()
         if getattr(args, flag) is not None
-    }
+    })
     overrides.update(_parse_set(args.set or []))
     if args.chat_template:
-        overrides["dataset.chatTemplate"] = Path(args.chat_template).read_text()
+        try:
+            overrides["dataset.chatTemplate"] = Path(args.chat_template).read_text()
+        except OSError as exc:
+            raise UsageError(f"cannot read --chat-template {args.chat_template}: {exc.strerror or exc}") from None
+    return overrides
+
+
+def extract_config(args: argparse.Namespace) -> ExtractConfig:
+    """The config of ``-f FILE``: an ExtractionJob manifest (the config its pods get, with pod paths
+    mapped by ``--mount``) or the in-pod config file the operator writes; flags on top."""
+    overrides = _overrides(args)
+    mounts = _parse_pairs(args.mount or [], "--mount", "POD_PATH=LOCAL_PATH")
     if args.config:
-        return load_config(args.config, overrides)
-    return ExtractConfig.model_validate(with_overrides({}, overrides))
+        docs = read_yaml(args.config, "file")
+        if any(isinstance(d, dict) and "kind" in d for d in docs):
+            loaders = [p.config_from_manifest for p in plugins() if hasattr(p, "config_from_manifest")]
+            if not loaders:
+                raise UsageError(f"{args.config} is a Kubernetes manifest; reading one needs hsx's operator package")
+            return loaders[0](args.config, overrides, mounts)  # type: ignore[no-any-return]
+        if mounts:
+            raise UsageError("--mount maps a manifest's pod paths; this file is an in-pod config")
+        if len(docs) != 1 or not isinstance(docs[0], dict | None):
+            raise UsageError(f"{args.config} must hold one ExtractionJob manifest or one in-pod config mapping")
+        data = docs[0] or {}
+        if {"model", "server", "extractor"} & set(data):
+            raise UsageError(
+                f"{args.config} looks like an ExtractionJob's spec alone: give the whole manifest "
+                f"(apiVersion: hsx.dev/v1alpha1, kind: ExtractionJob, metadata.name, spec)"
+            )
+    else:
+        data = {}
+    try:
+        return ExtractConfig.model_validate(with_overrides(data, overrides))
+    except ValidationError as exc:
+        raise UsageError(describe_validation_error(exc)) from None
 
 
 def _config_or_exit(args: argparse.Namespace) -> ExtractConfig | None:
     try:
         return extract_config(args)
-    except (ValidationError, ValueError, OSError) as exc:
+    except UsageError as exc:
         print(f"hsx {args.command}: invalid configuration: {exc}", file=sys.stderr, flush=True)
         return None
 
@@ -113,7 +188,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     try:
         reports = verify_uri(args.output, sample_fraction=args.sample)
     except (NoRunError, StoreError, ValueError) as exc:
-        print(f"hsx verify: error: {exc}", file=sys.stderr, flush=True)
+        print(f"hsx verify: error: {user_message(exc)}", file=sys.stderr, flush=True)
         return EXIT_PERMANENT
     for report in reports:
         if args.json:
@@ -129,6 +204,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_serve_reference(args: argparse.Namespace) -> int:
     from hsx_extractor.tools.reference_server import FaultPlan, run
 
+    if not Path(args.model, "config.json").is_file():
+        raise UsageError(f"--model {args.model} is not a model directory (no config.json there)")
     try:
         fault = FaultPlan(args.fault, args.fault_every, args.fault_first_attempt_only)
     except ValueError as exc:
@@ -175,7 +252,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             log=log,
         )
     except (ExportError, StoreError, ValueError) as exc:
-        print(f"hsx export: refused: {exc}", file=sys.stderr, flush=True)
+        print(f"hsx export: refused: {user_message(exc)}", file=sys.stderr, flush=True)
         return EXIT_PERMANENT
     applied = record["finalNormApplied"]
     print(
@@ -201,7 +278,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _config_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML/JSON file in ExtractionJob spec field names")
+    p.add_argument(
+        "-f",
+        "--filename",
+        "--config",
+        dest="config",
+        help="an ExtractionJob manifest (what you kubectl apply), or the in-pod config the operator writes",
+    )
+    p.add_argument(
+        "--mount",
+        action="append",
+        metavar="POD_PATH=LOCAL_PATH",
+        help="where a manifest's pod path lies here (model.mountPath=/data/models); a hostPath source maps itself",
+    )
+    p.add_argument("--override", metavar="FILE", help="YAML of config fields (nested or dotted) set on top")
     for flag, (field, kind) in EXTRACT_FLAGS.items():
         p.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=kind, help=field)
     p.add_argument("--chat-template", help="file holding dataset.chatTemplate")
@@ -210,6 +300,7 @@ def _config_flags(p: argparse.ArgumentParser) -> None:
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="hsx", description="Capture LLM hidden states for EAGLE-3 drafters.")
+    top.add_argument("--version", action="version", version=f"hsx {_version()}")
     sub = top.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(
@@ -314,12 +405,27 @@ def parser() -> argparse.ArgumentParser:
 
     add_estimate_command(sub)
     add_vocab_command(sub)
+    for plugin in plugins():
+        plugin.add_commands(sub)
     return top
+
+
+def _version() -> str:
+    try:
+        return metadata.version("hsx")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except (UsageError, ValidationError, OSError) as exc:
+        # What the user gave is wrong (a path, a field): one line and the permanent code, so a pod's
+        # Job does not retry what cannot succeed. extract maps its own run's errors (run/failures).
+        print(f"hsx {args.command}: error: {user_message(exc)}", file=sys.stderr, flush=True)
+        return EXIT_PERMANENT
 
 
 if __name__ == "__main__":  # pragma: no cover

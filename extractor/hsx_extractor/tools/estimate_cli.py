@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
+from hsx_extractor.contract import EXIT_PERMANENT
 from hsx_extractor.model import ModelConfigError, ModelDims, capture_layers, model_dims, read_model_config
 from hsx_extractor.storage.shard_format import COMPRESSION_CODECS
 from hsx_extractor.tools.estimate import (
@@ -19,6 +21,7 @@ from hsx_extractor.tools.estimate import (
     format_estimate,
     trial_ratio,
 )
+from hsx_extractor.usage import user_message
 
 
 def add_estimate_command(subparsers: Any) -> argparse.ArgumentParser:
@@ -154,8 +157,10 @@ def run_estimate(args: argparse.Namespace) -> int:
         InvalidKeyError,
         OSError,
     ) as exc:
-        # What the user gave is wrong (a path, a tokenizer, a dataset): say so, no traceback.
-        print(f"hsx estimate: error: {exc}")
-        return 2
+        # What the user gave is wrong (a path, a tokenizer, a dataset): say so, no traceback, the
+        # permanent exit code as every hsx command; JSON on stderr with --json.
+        message = user_message(exc)
+        print(json.dumps({"error": message}) if args.json else f"hsx estimate: error: {message}", file=sys.stderr)
+        return EXIT_PERMANENT
     print(json.dumps(estimate_to_json(est), indent=2) if args.json else format_estimate(est))
     return 0

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hsx_extractor.config import OutputSpec
+from hsx_extractor.config import OutputSpec, check_local_directory
 from hsx_extractor.storage.manifest import FINAL_STATES, Capture, ManifestError
 
 if TYPE_CHECKING:
@@ -245,6 +245,7 @@ def export(
     """Export the committed run at ``uri`` for ``trainer`` into ``dest``; returns the export record."""
     from hsx_extractor.reader import OutputReader, to_specforge  # torch: not for `hsx --help`
 
+    root = check_local_directory(str(dest), "export destination")
     if trainer not in WRITERS:
         raise ExportError(f"unknown trainer {trainer!r}: one of {TRAINERS}")
     try:
@@ -260,7 +261,6 @@ def export(
     if aux_width % hidden:
         raise ExportError(f"aux width {aux_width} is not a multiple of the hidden size {hidden}")
     norm = plan_conversion(trainer, have, model_dir, hidden)
-    root = Path(dest)
     _check_dest(root)
     writer = WRITERS[trainer](root, hidden, aux_width // hidden)
     for position in range(len(reader)):

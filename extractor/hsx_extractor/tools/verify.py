@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from hsx_extractor.config import OutputSpec
+from hsx_extractor.config import OutputSpec, check_uri
 from hsx_extractor.run.plan import PLAN_NAME, PlanMismatch, planned_shards
 from hsx_extractor.storage import native
 from hsx_extractor.storage.backends import PermanentStoreError, StoreError
@@ -30,6 +30,7 @@ from hsx_extractor.storage.shard_format import (
 from hsx_extractor.storage.store import Store, open_store
 from hsx_extractor.storage.token_counts import add_counts, count_masked
 from hsx_extractor.storage.uris import open_backend
+from hsx_extractor.usage import UsageError
 
 STREAM_CHUNK = 16 << 20
 MAX_LISTED_ERRORS = 50
@@ -162,6 +163,10 @@ def verify_uri(
     """Verify the run at ``uri``, or every run under ``uri`` when it is an output root.
 
     Raises NoRunError when neither is there (a missing path is an error, never an empty OK)."""
+    try:
+        check_uri(uri)  # the URI as given: its parent ("s3:" of "s3:/x") would hide the mistake
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if _holds_a_run(uri, output):
         return [run_verify(uri, sample_fraction, output)]
     runs = find_runs(uri, output)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from hsx_extractor.config import OutputSpec
+from hsx_extractor.config import OutputSpec, check_local_directory
 from hsx_extractor.contract import EXIT_OK, EXIT_PERMANENT
 from hsx_extractor.storage.backends import StoreError
 from hsx_extractor.storage.layout import MANIFEST_NAME, split_run_uri
@@ -93,6 +93,7 @@ def write_vocab(
     uri: str, draft_size: int, out: str | Path | None = None, target_size: int | None = None
 ) -> dict[str, Any]:
     """Write the draft vocabulary files of the run at ``uri``; returns what was written."""
+    chosen = None if out is None else check_local_directory(str(out), "--out")
     counts, manifest = run_counts(uri)
     recorded = (manifest.get("run") or {}).get("vocabSize")
     if target_size is not None and recorded is not None and target_size != recorded:
@@ -105,7 +106,7 @@ def write_vocab(
         import torch
     except ImportError as exc:  # pragma: no cover - the extractor image
         raise VocabError("hsx vocab writes torch files: install torch (the trainer's environment has it)") from exc
-    where = Path(out or f"vocab-{manifest.get('runId', 'run')}")
+    where = chosen or Path(f"vocab-{manifest.get('runId', 'run')}")
     where.mkdir(parents=True, exist_ok=True)
     torch.save({"d2t": torch.from_numpy(d2t), "t2d": torch.from_numpy(t2d)}, where / MAPPING_FILE)
     np.save(where / D2T_FILE, d2t)
