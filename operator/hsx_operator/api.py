@@ -100,7 +100,12 @@ class ModelSource(_Spec):
 
     pvc: PVCSource | None = Field(default=None, description="Mount a PersistentVolumeClaim.")
     hostPath: HostPathSource | None = Field(default=None, description="Mount a directory of the node.")
-    image: ImageSource | None = Field(default=None, description="Mount an OCI image as a volume.")
+    image: ImageSource | None = Field(
+        default=None,
+        description="Mount an OCI image as a volume. Needs Kubernetes image volumes (the ImageVolume feature: "
+        "1.31+, behind its feature gate where it is not on by default); the chart's kubeVersion (>=1.29) "
+        "does not imply it, and a cluster without it refuses the pod.",
+    )
 
 
 class ModelSpec(_Spec):

@@ -19,6 +19,7 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
+from hsx_extractor.usage import describe_validation_error
 from hsx_operator import metrics
 from hsx_operator.api import GROUP, PLURAL, VERSION, ExtractionJobSpec
 from hsx_operator.cluster import Cluster, client_refusal, create_refusal, poll_pods
@@ -123,7 +124,7 @@ def _reconcile(
         wanted = {
             "phase": Phase.FAILED.value,
             "reason": Reason.INVALID_SPEC.value,
-            "message": str(exc)[:4000],
+            "message": describe_validation_error(exc, prefix="spec")[:4000],
             "observedGeneration": generation,
         }
         patch.status.update(status_patch(dict(status or {}), wanted))
