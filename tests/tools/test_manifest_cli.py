@@ -265,3 +265,36 @@ def test_a_real_process_prints_no_traceback(tmp_path: Path) -> None:
         assert done.returncode == EXIT_PERMANENT and "Traceback" not in done.stderr, done.stderr
     version = subprocess.run([sys.executable, "-m", "hsx_extractor.tools.cli", "--version"], capture_output=True, text=True)
     assert version.returncode == 0 and version.stdout.startswith("hsx 0.")
+
+
+@pytest.mark.slow
+def test_a_terminal_gets_a_live_bar_and_a_pipe_gets_log_lines(tmp_path: Path, ref_server: RefServer) -> None:
+    import os
+    import pty
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", [*chat_rows(8), "not json"])
+    base = [sys.executable, "-m", "hsx_extractor.tools.cli", "extract", "--dataset", str(dataset),
+            "--model", str(ref_server.model), "--server-url", ref_server.url, "--dump-dir", str(ref_server.dump_dir),
+            "--progress-port", "0", "--log-interval", "0.2", "--max-length", "512"]  # fmt: skip
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([*base, "--run-id", "tty", "--output", str(tmp_path / "a")], stderr=follower,
+                            stdout=subprocess.DEVNULL)  # fmt: skip
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(leader)
+    assert proc.wait(timeout=120) == EXIT_OK
+    text = seen.decode(errors="replace")
+    assert "\r" in text and "9/9 samples" in text and "tok/s" in text and "quarantined 1" in text and "ETA" in text, text
+    assert "hsx progress state=" not in text.split("hsx extract: error")[0].replace("\r", "\n").splitlines()[0]
+    piped = subprocess.run([*base, "--run-id", "pipe", "--output", str(tmp_path / "b")], capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+    assert piped.returncode == EXIT_OK, piped.stderr
+    assert "hsx progress state=succeeded samples=9/9" in piped.stderr and "\r" not in piped.stderr

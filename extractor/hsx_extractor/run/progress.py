@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from collections import Counter, deque
@@ -284,28 +285,46 @@ def bound_port(runner: web.AppRunner) -> int:
     raise RuntimeError("progress server is not listening")
 
 
-def _bar(progress: Progress, width: int = 30) -> str:
-    s = progress.snapshot()
-    total = max(s["samplesTotal"], 1)
-    filled = int(width * min(s["samplesDone"] / total, 1.0))
-    return (
-        f"\r[{'#' * filled}{'.' * (width - filled)}] {s['samplesDone']}/{s['samplesTotal']} "
-        f"w={s['samplesWritten']} q={s['samplesQuarantined']} {s['tokensPerSecond']:.0f} tok/s"
-    )
+def _bar_text(s: dict[str, Any]) -> str:
+    eta = s["etaSeconds"]
+    eta_text = "-" if eta is None else f"{int(eta) // 3600}:{int(eta) % 3600 // 60:02d}:{int(eta) % 60:02d}"
+    return f"{s['tokensPerSecond']:.0f} tok/s, quarantined {s['samplesQuarantined']}, ETA {eta_text}"
+
+
+async def _bar_loop(progress: Progress, stream: TextIO) -> None:
+    """A terminal's live bar: samples done of the total (growing while planning), tok/s, quarantined
+    and hsx's own ETA (rates of this process only, as /progress gives them)."""
+    from tqdm import tqdm
+
+    try:
+        width, height = os.get_terminal_size(stream.fileno())
+    except (OSError, ValueError, AttributeError):
+        width, height = 0, 0
+    # A terminal that reports no size (a bare pty, some CI runners) would get no bar at all from tqdm.
+    bar = tqdm(total=0, file=stream, unit="sample", ncols=width or 100, nrows=height or 24, mininterval=0,
+               bar_format="{desc} {percentage:3.0f}%|{bar}| {n}/{total} samples{postfix}")  # fmt: skip
+
+    def draw() -> None:
+        s = progress.snapshot()
+        bar.set_description_str(f"hsx {s['state']}", refresh=False)
+        bar.total, bar.n = s["samplesTotal"], s["samplesDone"]
+        bar.set_postfix_str(_bar_text(s), refresh=False)
+        bar.refresh()
+
+    try:
+        while True:
+            draw()
+            await asyncio.sleep(0.25)
+    finally:
+        draw()  # the last state, before the run's closing lines
+        bar.close()
 
 
 async def report_loop(progress: Progress, interval: float, stream: TextIO | None = None) -> None:
-    """One flushed log line per interval; on a TTY also a bar refreshed a few times a second."""
+    """On a terminal, a live bar; otherwise (a pod's log, a pipe) one flushed log line per interval."""
     stream = stream or sys.stderr
-    tty = stream.isatty()
-    next_line = time.monotonic() + interval
+    if stream.isatty():
+        await _bar_loop(progress, stream)
     while True:
-        await asyncio.sleep(min(0.25, interval) if tty else interval)
-        if tty:
-            stream.write(_bar(progress))
-            stream.flush()
-        if not tty or time.monotonic() >= next_line:
-            if tty:
-                stream.write("\n")
-            print(progress.log_line(), file=stream, flush=True)
-            next_line = time.monotonic() + interval
+        await asyncio.sleep(interval)
+        print(progress.log_line(), file=stream, flush=True)

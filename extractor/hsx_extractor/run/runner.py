@@ -51,6 +51,8 @@ async def extract(cfg: ExtractConfig, progress: Progress | None = None) -> tuple
         print(f"hsx extract: error: {message}", file=sys.stderr, flush=True)
     finally:
         reporter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reporter  # a terminal's bar draws its last state and closes before the lines below
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.remove_signal_handler(signal.SIGTERM)
         print(progress.log_line(), file=sys.stderr, flush=True)
