@@ -143,7 +143,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "name": "Quarantined",
         "type": "integer",
         "jsonPath": ".status.progress.samplesQuarantined",
-        "description": "Samples set aside with a reason (hsx verify lists them).",
+        "description": "Samples set aside with a reason (hsx show RUN lists the reasons with example lines).",
     },
     {
         "name": "Tok/s",

@@ -235,6 +235,9 @@ ERROR_CASES: list[tuple[list[str], dict[str, str], str]] = [
     (["fingerprint", "{t}/absent"], {}, "holds no tokenizer"),
     (["estimate", "--tokens", "100"], {}, "give --model DIR, or both --hidden-size and --num-layers"),
     (["estimate", "--tokens", "100", "--model", "{t}/absent"], {}, "config.json does not exist"),
+    (["ls", "{t}/absent"], {}, "no hsx runs there"),
+    (["show", "s3:/bucket/run"], {}, "unsupported URI 's3:/bucket/run'"),
+    (["show", "{t}/absent"], {}, "no hsx run there"),
     (["make-tiny-model", "{t}/file/inside"], {"file": "not a directory"}, "Not a directory"),
 ]
 

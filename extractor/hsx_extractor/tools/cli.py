@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from hsx_extractor.config import ExtractConfig, with_overrides
 from hsx_extractor.contract import EXIT_OK, EXIT_PERMANENT
+from hsx_extractor.storage.backends import StoreError
 from hsx_extractor.usage import UsageError, describe_validation_error, user_message
 
 # Packages that add to hsx: hsx's operator package reads ExtractionJob manifests and renders Jobs
@@ -401,10 +402,12 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     from hsx_extractor.tools.estimate_cli import add_estimate_command
+    from hsx_extractor.tools.runs import add_run_commands
     from hsx_extractor.tools.vocab import add_vocab_command
 
     add_estimate_command(sub)
     add_vocab_command(sub)
+    add_run_commands(sub)
     for plugin in plugins():
         plugin.add_commands(sub)
     return top
@@ -426,6 +429,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Job does not retry what cannot succeed. extract maps its own run's errors (run/failures).
         print(f"hsx {args.command}: error: {user_message(exc)}", file=sys.stderr, flush=True)
         return EXIT_PERMANENT
+    except StoreError as exc:  # the store said no (access denied) or stayed away past its retries
+        print(f"hsx {args.command}: error: {user_message(exc)}", file=sys.stderr, flush=True)
+        return exc.exit_code
 
 
 if __name__ == "__main__":  # pragma: no cover
