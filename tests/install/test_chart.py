@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,12 +28,20 @@ VALUE_SETS: dict[str, dict[str, str]] = {
         "policy.allowedHostPaths": "{/mnt/models,/data}",
         "policy.allowedPriorityClasses": "{system-cluster-critical}",
     },
+    "observability": {
+        "metrics.extractorPodMonitor.enabled": "true",
+        "metrics.grafanaDashboard.enabled": "true",
+        "watchNamespaces": "{ml}",
+    },
     "no-metrics-service": {
         "metrics.service.enabled": "false",
         "serviceAccount.create": "false",
         "serviceAccount.name": "ops",
     },
 }
+
+
+PROMETHEUS_OPERATOR_KINDS = ("ServiceMonitor", "PodMonitor")
 
 
 def test_chart_crds_are_a_copy_of_the_repository_crds() -> None:
@@ -77,13 +87,13 @@ def test_rendered_manifests_pass_the_kubernetes_api_schemas(name: str, tmp_path:
     assert result.returncode == 0, result.stdout + result.stderr
     passed = result.stdout.count(" passed for resource ")
     assert passed == sum(
-        1 for d in yaml.safe_load_all(rendered.read_text()) if d and d["kind"] != "ServiceMonitor"
+        1 for d in yaml.safe_load_all(rendered.read_text()) if d and d["kind"] not in PROMETHEUS_OPERATOR_KINDS
     )
-    # The only kind without a built-in schema is the Prometheus Operator's ServiceMonitor.
+    # The only kinds without a built-in schema are the Prometheus Operator's.
     unknown = [
         line for line in (result.stdout + result.stderr).splitlines() if "Couldn't find schema" in line
     ]
-    assert all("ServiceMonitor" in line for line in unknown), unknown
+    assert all(any(k in line for k in PROMETHEUS_OPERATOR_KINDS) for line in unknown), unknown
 
 
 def test_the_validator_rejects_a_broken_manifest(tmp_path: Path) -> None:
@@ -306,3 +316,42 @@ def test_helm_test_probes_a_watched_namespace_with_rights_only_there(values: str
     # Not counted as the operator by its NetworkPolicy peer or PodDisruptionBudget.
     selector = operator["spec"]["selector"]["matchLabels"]
     assert not selector.items() <= pod["metadata"]["labels"].items(), pod["metadata"]["labels"]
+
+
+def exported_metric_names() -> set[str]:
+    """Every series name the extractor and the operator expose (counters with _total, histograms' _bucket)."""
+    from prometheus_client import REGISTRY
+
+    import hsx_operator.metrics  # noqa: F401  (registers the operator's series)
+    from hsx_extractor.run.progress import Metrics
+
+    names = set()
+    for registry in (Metrics().registry, REGISTRY):
+        for family in registry.collect():
+            names.add(family.name)
+            names.update(sample.name for sample in family.samples)
+            # A labelled series has no samples until its first label value: its names from its type.
+            suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(family.type, ())
+            names.update(family.name + s for s in suffixes)
+    return names
+
+
+def test_the_dashboard_and_pod_monitor_read_what_hsx_exports() -> None:
+    docs = render({"metrics.extractorPodMonitor.enabled": "true", "metrics.grafanaDashboard.enabled": "true"})
+    (monitor,) = find(docs, "PodMonitor")
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    from hsx_operator.desired import Owner, desired_job
+    from tests.operator.helpers import make_spec
+
+    pod = desired_job(Owner(name="xj", namespace="ml", uid="u"), make_spec())["spec"]["template"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    ports = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] in ports
+    (dashboard,) = [c for c in find(docs, "ConfigMap") if c["metadata"]["name"].endswith("-dashboard")]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    panels = json.loads(dashboard["data"]["hsx.json"])["panels"]
+    queried = {name for p in panels for t in p["targets"] for name in re.findall(r"\bhsx_[a-z_]+", t["expr"])}
+    assert len(panels) >= 8 and queried and queried <= exported_metric_names(), queried - exported_metric_names()
+    for wanted in ("hsx_tokens_done_total", "hsx_samples_quarantined_total", "hsx_bytes_committed_total",
+                   "hsx_shard_seal_seconds_bucket"):  # fmt: skip
+        assert wanted in queried

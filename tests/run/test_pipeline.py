@@ -294,6 +294,7 @@ def test_progress_and_metrics_serve_the_run_numbers(tmp_path: Path, ref_server: 
     assert f"hsx_tokens_done_total {float(tokens)}" in metrics
     assert f"hsx_bytes_committed_total {float(bytes_stored)}" in metrics
     assert "hsx_shards_committed_total 1.0" in metrics
+    assert "hsx_shard_seal_seconds_count 1.0" in metrics and 'hsx_shard_seal_seconds_bucket{le="+Inf"} 1.0' in metrics
     assert "hsx_requests_in_flight 0.0" in metrics
 
 

@@ -422,9 +422,10 @@ class ShardWorker:
         rows = range(shard.start, shard.stop)
         checks = self.ctx.consistency.shard_summary(rows) if self.ctx.consistency else None
         seal = functools.partial(shard.builder.seal, checks, shard.source)
+        began = time.monotonic()
         commit = await asyncio.get_running_loop().run_in_executor(self.ctx.seal_threads, seal)
         self.commits.append(commit)
-        self.progress.shard_committed(commit.bytes_stored)
+        self.progress.shard_committed(commit.bytes_stored, time.monotonic() - began)
 
     def _add(self, shard: ShardState, item: SampleRecord | QuarantineEntry, rid: str | None) -> bool:
         """Add to the shard (the builder is safe for concurrent adds); True for the shard's last row."""

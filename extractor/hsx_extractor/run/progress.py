@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client import Counter as PromCounter
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -126,11 +126,14 @@ class Progress:
             for q in commit.quarantine:
                 self.quarantined[q.reason] += 1
 
-    def shard_committed(self, nbytes: int) -> None:
+    def shard_committed(self, nbytes: int, seconds: float | None = None) -> None:
+        """One shard stored and committed; ``seconds``: its seal (upload and commit record) took."""
         self.shards_committed += 1
         self.bytes_committed += nbytes
         self.metrics.shards.inc()
         self.metrics.bytes.inc(nbytes)
+        if seconds is not None:
+            self.metrics.seal_seconds.observe(seconds)
 
     def watch_in_flight(self, probe: Callable[[], int]) -> None:
         """Read requests in flight from ``probe`` (the client's counter) whenever asked."""
@@ -252,6 +255,12 @@ class Metrics:
         self.bytes = PromCounter("hsx_bytes_committed", "Stored bytes of committed shards.", registry=r)
         self.shards = PromCounter("hsx_shards_committed", "Shards committed by this process.", registry=r)
         self.in_flight = Gauge("hsx_requests_in_flight", "Requests at the server now.", registry=r)
+        self.seal_seconds = Histogram(
+            "hsx_shard_seal_seconds",
+            "Time to store one shard: its upload (or file write) and its commit record.",
+            buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
+            registry=r,
+        )
 
 
 def progress_app(progress: Progress) -> web.Application:
