@@ -264,6 +264,15 @@ class ValidationSpec(_Spec):
     gateWindow: int = Field(
         200, ge=1, description="Number of most recent samples over which the mismatch rate is measured."
     )
+    maxRejectedRowRate: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="The run fails (DatasetRejected) when more than this fraction of its samples were set aside "
+        "by the dataset checks (invalid_json, too_long, template_error, ...; not the server's mismatches): judged "
+        "once 1000 samples were done and again at the end, so a dataset that is all wrong never ends Succeeded. "
+        "1 turns it off.",
+    )
     gateMinSamples: int = Field(
         20, ge=1, description="The gate only trips once at least this many samples were checked."
     )

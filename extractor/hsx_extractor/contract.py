@@ -56,6 +56,9 @@ class ProgressReport(BaseModel):
     planning: bool = False
     requestsInFlight: int = 0
     lastError: str | None = None
+    # Why a failed run stopped, when it has a name of its own (DatasetRejected, CaptureInconsistent): the
+    # operator's status reason.
+    failureReason: str | None = None
     state: ExtractorState = "starting"
     runId: str = ""
     replicaIndex: int = 0

@@ -45,3 +45,13 @@ class Reason(StrEnum):
     NO_DUMP = "no_dump"
     SERVER_ERROR = "server_error"
 
+
+# What the server did wrong; every other reason is the dataset's (validation.maxRejectedRowRate).
+SERVER_REASONS = frozenset(
+    {Reason.ID_MISMATCH, Reason.LENGTH_MISMATCH, Reason.NON_FINITE, Reason.NO_DUMP, Reason.SERVER_ERROR}
+)
+
+
+def is_dataset_reason(reason: str) -> bool:
+    return reason not in SERVER_REASONS
+

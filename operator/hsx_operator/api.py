@@ -17,6 +17,7 @@ from hsx_extractor.sglang_hook.launch import OWNED_FLAGS
 from hsx_extractor.vllm_hook.launch import OWNED_FLAGS as VLLM_OWNED_FLAGS
 from hsx_operator.cel import cel, location_rules
 from hsx_operator.placement import SchedulingSpec
+from hsx_operator.pod_settings import PodSettings
 from hsx_operator.server_flags import EXTRA_ARGS_RULE, IS_VLLM
 
 GROUP = "hsx.dev"
@@ -336,6 +337,7 @@ _LOCKED_FIELDS = (
     "parallelism",
     "backoffLimit",
     "scheduling",
+    "pod",
 )
 _LOCKED_OPTIONAL = ("activeDeadlineSeconds", "startupDeadlineSeconds", "ttlSecondsAfterFinished")
 # A run's spec is fixed while its runId stays: change runId to run again with other settings.
@@ -455,6 +457,12 @@ class ExtractionJobSpec(_Spec):
     scheduling: SchedulingSpec = Field(
         default_factory=SchedulingSpec,  # type: ignore[arg-type]
         description="Node selection, tolerations, affinity, priority and Kueue queue.",
+        json_schema_extra={"default": {}},
+    )
+    pod: PodSettings = Field(
+        default_factory=PodSettings,  # type: ignore[arg-type]
+        description="Pod settings: service account (cloud identity for S3), image pull secrets, labels, annotations, "
+        "runtime class, a CA bundle for HTTPS to S3.",
         json_schema_extra={"default": {}},
     )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from hsx_extractor.sglang_hook import launch as sglang_launch
 from hsx_extractor.storage.layout import MANIFEST_NAME
 from hsx_extractor.vllm_hook import launch as vllm_launch
 from hsx_operator.api import GROUP, KIND, VERSION, ExtractionJobSpec
+from hsx_operator.pod_settings import CA_DIR, PodSettings
 from hsx_operator.policy import under
 
 # The server container of each engine, named after it (kubectl logs -c vllm).
@@ -378,6 +380,7 @@ def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None =
         pod_spec["affinity"] = sched.affinity
     if sched.priorityClassName:
         pod_spec["priorityClassName"] = sched.priorityClassName
+    _apply_pod_settings(spec.pod, pod_spec, [preflight, extractor])
     job_labels = labels(owner, spec)
     job_spec: dict[str, Any] = {
         "completionMode": "Indexed",
@@ -401,8 +404,9 @@ def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None =
         "suspend": spec.suspend if suspend is None else suspend,
         "template": {
             "metadata": {
-                "labels": job_labels,
-                "annotations": {"kubectl.kubernetes.io/default-container": EXTRACTOR_CONTAINER},
+                # The user's own first: hsx's keys always win (the CRD refuses user keys with its prefixes).
+                "labels": {**spec.pod.labels, **job_labels},
+                "annotations": {**spec.pod.annotations, "kubectl.kubernetes.io/default-container": EXTRACTOR_CONTAINER},
             },
             "spec": pod_spec,
         },
@@ -422,6 +426,32 @@ def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None =
         },
         "spec": job_spec,
     }
+
+
+def _apply_pod_settings(pod: PodSettings, pod_spec: dict[str, Any], extractors: list[dict[str, Any]]) -> None:
+    """spec.pod into the pod: identity, pull secrets, runtime class, and the CA bundle in the containers
+    that reach S3 (preflight and extractor)."""
+    if pod.serviceAccountName:
+        pod_spec["serviceAccountName"] = pod.serviceAccountName  # its API token stays unmounted
+    if pod.imagePullSecrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in pod.imagePullSecrets]
+    if pod.runtimeClassName:
+        pod_spec["runtimeClassName"] = pod.runtimeClassName
+    if pod.caBundle is not None:
+        pod_spec["volumes"].append({"name": "ca-bundle", "configMap": {"name": pod.caBundle.name}})
+        for container in extractors:  # new lists: preflight was copied from the extractor, sharing them
+            mount = {"name": "ca-bundle", "mountPath": CA_DIR, "readOnly": True}
+            container["volumeMounts"] = [*container["volumeMounts"], mount]
+            container["env"] = [*container["env"], {"name": "AWS_CA_BUNDLE", "value": f"{CA_DIR}/{pod.caBundle.key}"}]
+
+
+def with_queue_label(spec: ExtractionJobSpec, xj_labels: Mapping[str, str] | None) -> ExtractionJobSpec:
+    """Kueue's convention (RayJob, JobSet, TrainJob): the ExtractionJob's own kueue.x-k8s.io/queue-name
+    label names its queue, as spec.scheduling.queueName does (which wins when both are set)."""
+    queue = (xj_labels or {}).get(LABEL_QUEUE)
+    if not queue or spec.scheduling.queueName:
+        return spec
+    return spec.model_copy(update={"scheduling": spec.scheduling.model_copy(update={"queueName": queue})})
 
 
 def initial_suspend(spec: ExtractionJobSpec) -> bool:

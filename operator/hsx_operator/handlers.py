@@ -32,6 +32,7 @@ from hsx_operator.desired import (
     desired_job,
     initial_suspend,
     job_name,
+    with_queue_label,
 )
 from hsx_operator.observe import Refusal, needs_job, observe
 from hsx_operator.pods import job_finished
@@ -118,7 +119,7 @@ def _reconcile(
     generation: int,
 ) -> None:
     try:
-        xj = ExtractionJobSpec.model_validate(dict(spec))
+        xj = with_queue_label(ExtractionJobSpec.model_validate(dict(spec)), body.get("metadata", {}).get("labels"))
     except ValidationError as exc:
         # The API server accepted it, so the CRD and the models disagree: say so, touch nothing.
         wanted = {

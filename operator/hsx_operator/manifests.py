@@ -28,6 +28,7 @@ from hsx_operator.desired import (
     desired_job,
     extract_config,
     initial_suspend,
+    with_queue_label,
 )
 from hsx_operator.policy import NodeAccessPolicy, under, violations
 
@@ -69,7 +70,7 @@ def extraction_job(documents: list[Any], source: str) -> tuple[Owner, Extraction
     if not isinstance(name, str) or not name:
         raise UsageError(f"{source}: metadata.name is missing")
     try:
-        spec = ExtractionJobSpec.model_validate(doc.get("spec") or {})
+        spec = with_queue_label(ExtractionJobSpec.model_validate(doc.get("spec") or {}), meta.get("labels"))
     except ValidationError as exc:
         raise UsageError(f"{source}: {describe_validation_error(exc, prefix='spec')}") from None
     return Owner(name=name, namespace=str(meta.get("namespace") or "default"), uid=RENDERED_UID), spec

@@ -24,6 +24,7 @@ from hsx_operator.pods import (
     job_condition,
     job_problem,
     last_exit,
+    named_failure,
     pod_problem,
     pod_scheduled,
     replica_index,
@@ -247,7 +248,7 @@ def _failed(
     if exited and exited[0] == PREFLIGHT_CONTAINER:
         reason = Reason.PREFLIGHT_FAILED  # nothing reached the server: the message says what to fix
     elif reason == "PodFailurePolicy":
-        reason = Reason.PERMANENT_FAILURE
+        reason = named_failure(pods) or Reason.PERMANENT_FAILURE
     _set(status, Phase.FAILED, reason, message)
     status.completionTime = rfc3339(now)
 

@@ -203,6 +203,19 @@ def terminated_progress(pod: Mapping[str, Any]) -> ProgressReport | None:
     return parse_report(text) if text else None
 
 
+# Permanent failures the extractor names in its termination message (failureReason), as status reasons.
+NAMED_FAILURES = {r.value: r for r in (Reason.DATASET_REJECTED, Reason.CAPTURE_INCONSISTENT)}
+
+
+def named_failure(pods: Sequence[Mapping[str, Any]]) -> Reason | None:
+    """The status reason the newest extractor termination message names, if it names a known one."""
+    for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("creationTimestamp") or "", reverse=True):
+        final = terminated_progress(pod)
+        if final is not None and final.failureReason:
+            return NAMED_FAILURES.get(final.failureReason)
+    return None
+
+
 def last_exit(pods: Sequence[Mapping[str, Any]]) -> tuple[str, str] | None:
     """(container, summary) of the newest failed exit of the preflight or extractor container."""
     for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("creationTimestamp") or "", reverse=True):

@@ -41,6 +41,11 @@ class Reason(StrEnum):
     EXTRACTING = "Extracting"
     COMPLETED = "Completed"
     PERMANENT_FAILURE = "PermanentFailure"
+    # Permanent failures the extractor names (its termination message's failureReason):
+    # most rows failed the dataset checks (validation.maxRejectedRowRate) ...
+    DATASET_REJECTED = "DatasetRejected"
+    # ... or the captured states disagree with the model's own predictions (validation.consistency).
+    CAPTURE_INCONSISTENT = "CaptureInconsistent"
     # The pod's preflight (tokenizer, model config, dataset, output store) failed: no weights were loaded.
     PREFLIGHT_FAILED = "PreflightFailed"
     JOB_FAILED = "JobFailed"

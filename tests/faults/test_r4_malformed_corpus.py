@@ -185,6 +185,8 @@ def test_each_malformed_row_gets_its_reason_everywhere(tmp_path: Path, fault_mod
             "concurrency": 4,
             "progressPort": 0,
             "logIntervalSeconds": 60,
+            # Mostly malformed on purpose: the rejection gate (tests/run/test_dataset_rejected.py) stays out.
+            "validation": {"maxRejectedRowRate": 1.0},
         })
 
         async def scenario() -> tuple[Any, dict[str, Any], str]:

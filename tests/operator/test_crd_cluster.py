@@ -223,6 +223,10 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "server.engine vllm runs one tensor-parallel group per pod",
     ),
     ("no-spec", {k: v for k, v in VALID.items() if k != "spec"}, "spec: Required value"),
+    ("pod-label-hsx-prefix", _with("pod", {"labels": {"hsx.dev/run-id": "x"}}), "pod.labels must not use hsx's own prefixes"),
+    ("pod-annotation-kueue", _with("pod", {"annotations": {"kueue.x-k8s.io/x": "y"}}), "pod.annotations must not use"),
+    ("pod-sa-uppercase", _with("pod", {"serviceAccountName": "Builder"}), "spec.pod.serviceAccountName: Invalid value"),
+    ("pod-pull-secret-bad", _with("pod", {"imagePullSecrets": ["a b"]}), "spec.pod.imagePullSecrets[0]: Invalid value"),
     (
         "name-with-dots",
         {**VALID, "metadata": {"name": "llama-3.1-8b"}},
@@ -250,6 +254,9 @@ def test_cross_field_rules_let_sound_specs_through(xj_crd: Any, namespace: str) 
         "extraArgs": ["--mem-fraction-static=0.8", "--trust-remote-code", "--context-length", "4096"],
     }
     doc["spec"]["extractor"] = {"dumpDirMaxBytes": 16 << 30}
+    doc["spec"]["pod"] = {"serviceAccountName": "s3-reader", "imagePullSecrets": ["registry"], "labels": {"team": "ml"},
+                          "annotations": {"example.com/cost": "a"}, "runtimeClassName": "nvidia",
+                          "caBundle": {"name": "corp-ca", "key": "ca.crt"}}  # fmt: skip
     xj_crd.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(doc))
     # vLLM with its own tuning flags (SGLang's owned --context-length is vLLM's to take).
     doc["metadata"]["name"] = "xj-vllm"

@@ -276,3 +276,36 @@ def test_user_arguments_reach_the_server_literally_through_kubernetes_expansion(
     assert env["SGLANG_HS_DUMP_DIR"] == DUMP_DIR
     assert [expand_refs(a, env) for a in container["command"]] == server_argv(spec)
     assert server_argv(spec)[-5:] == ["--chat-template", "$(SGLANG_HS_DUMP_DIR)/t.jinja", "--x", "$$", "$"]
+
+
+def test_pod_settings_pass_through_and_hsx_keys_win() -> None:
+    spec = make_spec(pod={"serviceAccountName": "s3-reader", "imagePullSecrets": ["registry"], "runtimeClassName": "nvidia",
+                          "labels": {"team": "ml"}, "annotations": {"example.com/cost": "a"},
+                          "caBundle": {"name": "corp-ca", "key": "ca.crt"}})  # fmt: skip
+    job = desired_job(Owner(name="xj", namespace="ml", uid="u"), spec)
+    pod = job["spec"]["template"]
+    assert pod["spec"]["serviceAccountName"] == "s3-reader" and pod["spec"]["automountServiceAccountToken"] is False
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "registry"}] and pod["spec"]["runtimeClassName"] == "nvidia"
+    assert pod["metadata"]["labels"]["team"] == "ml" and pod["metadata"]["labels"]["hsx.dev/run-id"] == spec.runId
+    assert pod["metadata"]["annotations"]["example.com/cost"] == "a"
+    assert {"name": "ca-bundle", "configMap": {"name": "corp-ca"}} in pod["spec"]["volumes"]
+    reaching_s3 = [*pod["spec"]["containers"], pod["spec"]["initContainers"][0]]
+    assert [c["name"] for c in reaching_s3] == ["extractor", "preflight"]
+    for container in reaching_s3:  # each once: preflight was copied from the extractor
+        assert [e for e in container["env"] if e["name"] == "AWS_CA_BUNDLE"] == [{"name": "AWS_CA_BUNDLE", "value": "/etc/hsx/ca/ca.crt"}]
+        assert [m["mountPath"] for m in container["volumeMounts"]].count("/etc/hsx/ca") == 1
+    server = pod["spec"]["initContainers"][1]
+    assert all(e["name"] != "AWS_CA_BUNDLE" for e in server["env"])
+    plain = desired_job(Owner(name="xj", namespace="ml", uid="u"), make_spec())["spec"]["template"]["spec"]
+    assert not {"serviceAccountName", "imagePullSecrets", "runtimeClassName"} & plain.keys()
+
+
+def test_the_kueue_queue_label_on_the_extractionjob_names_its_queue() -> None:
+    from hsx_operator.desired import initial_suspend, with_queue_label
+
+    queued = with_queue_label(make_spec(), {"kueue.x-k8s.io/queue-name": "team-a"})
+    job = desired_job(Owner(name="xj", namespace="ml", uid="u"), queued, suspend=initial_suspend(queued))
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a" and job["spec"]["suspend"] is True
+    explicit = with_queue_label(make_spec(scheduling={"queueName": "mine"}), {"kueue.x-k8s.io/queue-name": "team-a"})
+    assert explicit.scheduling.queueName == "mine"
+    assert with_queue_label(make_spec(), None).scheduling.queueName is None

@@ -6,6 +6,8 @@ import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
+
 from hsx_operator.api import ExtractionJobSpec
 from hsx_operator.conditions import set_condition
 from hsx_operator.observe import Outcome, human_duration, needs_job, observe
@@ -291,6 +293,17 @@ def test_failure_message_takes_the_error_from_the_final_progress() -> None:
     assert "exited 3 (permanent failure)" in st.message
     assert st.message.endswith("tokenizer fingerprint mismatch: want a, got b") and "{" not in st.message
     assert st.progress.samplesDone == 4
+
+
+@pytest.mark.parametrize("named", ["DatasetRejected", "CaptureInconsistent", "SomethingNew"])
+def test_a_failure_the_extractor_names_is_the_status_reason(named: str) -> None:
+    final = json.dumps({"state": "failed", "lastError": f"{named}: what went wrong", "failureReason": named})
+    term = {"state": {"terminated": {"exitCode": 3, "message": final}}}
+    failed = job_json(conditions=[{"type": "Failed", "status": "True", "reason": "PodFailurePolicy"}])
+    st = run(job=failed, pods=[pod_json(phase="Failed", extractor=term)]).status
+    # A name the operator does not know (a newer extractor) stays a PermanentFailure with its message.
+    assert (st.phase, st.reason) == ("Failed", named if named != "SomethingNew" else "PermanentFailure")
+    assert st.message.endswith(f"{named}: what went wrong")
 
 
 def test_retries_count_as_attempts() -> None:

@@ -54,7 +54,7 @@ def test_a_good_configuration_passes_every_check_without_a_server(
     out = capsys.readouterr().out
     for check in ("tokenizer ok", "model ok", "dataset ok", "output ok", "dump directory ok"):
         assert f"hsx preflight: {check}" in out, out
-    assert "first row renders" in out
+    assert "rows render)" in out
     # The shared dump directory exists, made for both containers' users, before the server starts.
     assert stat.S_IMODE((tmp_path / "shm" / "hsx").stat().st_mode) == 0o777
     assert not (tmp_path / "termination-log").exists()
@@ -89,10 +89,20 @@ def test_an_empty_dataset_fails_preflight(tmp_path: Path, tiny_model: Path) -> N
 
 def test_a_bad_first_row_is_reported_not_fatal(tmp_path: Path, tiny_model: Path, capsys: Any) -> None:
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"id": "x", "messages": "not a list"}) + "\n")
+    good = {"id": "g", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]}
+    bad.write_text(json.dumps({"id": "x", "messages": "not a list"}) + "\n" + json.dumps(good) + "\n")
     cfg = config(tmp_path, tiny_model, **{"dataset.uri": str(bad)})
     assert preflight(tmp_path, cfg) == EXIT_OK  # one malformed row is quarantined, not a config error
-    assert "its first row will be quarantined" in capsys.readouterr().out
+    assert "1 of its first 2 rows will be quarantined: line 1: invalid_row" in capsys.readouterr().out
+
+
+def test_a_dataset_whose_every_sampled_row_is_rejected_fails_preflight(tmp_path: Path, tiny_model: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps({"id": f"x{i}", "messages": []}) + "\n" for i in range(30)))
+    cfg = config(tmp_path, tiny_model, **{"dataset.uri": str(bad)})
+    assert preflight(tmp_path, cfg) == EXIT_PERMANENT
+    message = (tmp_path / "termination-log").read_text()
+    assert "DatasetRejected: all 20 of the first rows" in message and "line 1: empty_messages" in message
 
 
 def test_s3_output_reachable_with_conditional_writes_passes(

@@ -33,6 +33,8 @@ class CaptureInconsistent(RuntimeError):
     """Too many checked captures disagree with the model's own predictions (permanent: the capture
     itself is wrong, and every retry would capture the same way)."""
 
+    failure_reason = "CaptureInconsistent"
+
 
 # ---- what to ask --------------------------------------------------------------------------------
 class SamplePicks:

@@ -20,7 +20,7 @@ from typing import Any
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.model import ModelShape
 from hsx_extractor.protocol import RunKey, dump_bytes_bound, make_rid
-from hsx_extractor.reasons import Reason
+from hsx_extractor.reasons import Reason, is_dataset_reason
 from hsx_extractor.run import collect
 from hsx_extractor.run.collect import Collector
 from hsx_extractor.run.consistency import Consistency, logprob_request
@@ -30,7 +30,13 @@ from hsx_extractor.run.plan import ShardCut
 from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.server_client import RequestRejected, ServerClient
 from hsx_extractor.run.sources import DatasetError
-from hsx_extractor.run.validate import Mismatch, MismatchGate
+from hsx_extractor.run.validate import (
+    REJECTION_EXAMPLES,
+    DatasetRejected,
+    Mismatch,
+    MismatchGate,
+    rejection_verdict,
+)
 from hsx_extractor.storage.backends import StoreError
 from hsx_extractor.storage.commit_record import QuarantineEntry, ShardCommit
 from hsx_extractor.storage.shard_format import NonFiniteValues, SampleRecord
@@ -153,6 +159,7 @@ class ShardWorker:
         self._stalled_since: float | None = None
         # Opening a shard's builder, counting its rows and cutting it, for adds on several threads.
         self._shard_lock = threading.Lock()
+        self._rejected_examples: list[QuarantineEntry] = []  # the first dataset rejections, for the gate's message
 
     async def run(self, reader: Callable[[Callable[[ReaderEvent], None]], None]) -> None:
         # What start-up made (modules, tokenizer: ~375k objects) lives for the whole run: frozen, a full
@@ -413,6 +420,14 @@ class ShardWorker:
             self.progress.sample_done(item.seq_len)
         else:
             self.progress.sample_quarantined(item.reason)
+            if is_dataset_reason(item.reason) and len(self._rejected_examples) < REJECTION_EXAMPLES:
+                self._rejected_examples.append(item)
+            verdict = rejection_verdict(
+                self.progress.quarantined, self.progress.samples_done, self.cfg.validation.maxRejectedRowRate,
+                final=False, examples=self._rejected_examples,
+            )  # fmt: skip
+            if verdict:
+                raise DatasetRejected(verdict)
         if full:
             await self._seal(shard)
         return None

@@ -61,7 +61,7 @@ from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.readers import Reader, owned_by, planned_reader, planning_reader
 from hsx_extractor.run.server_client import ServerClient
 from hsx_extractor.run.tokens import ChatTokenizer, TokenizerError
-from hsx_extractor.run.validate import MismatchGate
+from hsx_extractor.run.validate import DatasetRejected, MismatchGate, rejection_verdict
 from hsx_extractor.sglang_hook.launch import HOOK_PRODUCER, SGLANG_VERSION
 from hsx_extractor.storage import failpoints, native
 from hsx_extractor.storage.commit_record import ShardCommit
@@ -307,6 +307,10 @@ class Extraction:
         verdict = self.consistency_gate.verdict(final=True)
         if verdict:
             raise CaptureInconsistent(verdict)
+        examples = [q for c in sorted(commits, key=lambda c: c.shard_index) for q in c.quarantine]
+        p, rate = self.progress, cfg.validation.maxRejectedRowRate
+        if rejected := rejection_verdict(p.quarantined, p.samples_done, rate, final=True, examples=examples):
+            raise DatasetRejected(rejected)  # nothing that is mostly rejections ends Succeeded
         described = functools.partial(self.describe, tok, shape, plan, engine)
         manifest = await asyncio.to_thread(store.finalize, plan.planned(), described)
         self.progress.mark_succeeded()

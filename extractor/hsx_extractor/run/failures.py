@@ -10,7 +10,7 @@ from hsx_extractor.run.consistency import CaptureInconsistent
 from hsx_extractor.run.server_client import ServerUnavailable
 from hsx_extractor.run.sources import DatasetError
 from hsx_extractor.run.tokens import TokenizerError
-from hsx_extractor.run.validate import DumpShapeError
+from hsx_extractor.run.validate import DatasetRejected, DumpShapeError
 from hsx_extractor.storage.backends import StoreError
 
 
@@ -33,7 +33,10 @@ def permanent(message: str) -> RunFailed:
 # A DumpDirError means the pod's containers cannot share the dump directory (their users).
 # CaptureInconsistent: the server captures states its own predictions disagree with; a retry
 # captures the same way.
-_PERMANENT = (DatasetError, ModelConfigError, DumpShapeError, TokenizerError, DumpDirError, CaptureInconsistent)
+# DatasetRejected: most rows fail the dataset checks; the same dataset and settings fail the same way.
+_PERMANENT = (
+    DatasetError, ModelConfigError, DumpShapeError, TokenizerError, DumpDirError, CaptureInconsistent, DatasetRejected
+)
 
 
 def describe_failure(exc: BaseException) -> tuple[str, int]:
@@ -47,3 +50,8 @@ def describe_failure(exc: BaseException) -> tuple[str, int]:
     if isinstance(exc, ServerUnavailable):
         return str(exc), EXIT_TRANSIENT
     return f"{type(exc).__name__}: {exc}", EXIT_TRANSIENT
+
+
+def failure_reason(exc: BaseException) -> str | None:
+    """The name a failure has of its own (the operator's status reason), when it has one."""
+    return getattr(exc, "failure_reason", None)

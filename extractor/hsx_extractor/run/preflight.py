@@ -22,8 +22,9 @@ from hsx_extractor.run.failures import describe_failure, permanent
 from hsx_extractor.run.runner import write_termination_message
 from hsx_extractor.storage.store import open_store
 
-# Rows read to prove the dataset opens, parses and renders with the chat template.
-ROWS_READ = 1
+# Rows read to prove the dataset opens, parses and renders with the chat template: if every one of them
+# would be set aside, the settings (format, template) are wrong, not the data.
+ROWS_READ = 20
 
 
 def preflight(cfg: ExtractConfig, say: Callable[[str], None]) -> None:
@@ -50,13 +51,18 @@ def preflight(cfg: ExtractConfig, say: Callable[[str], None]) -> None:
     )
     if not rows:
         raise permanent(f"dataset {cfg.dataset.uri} has no rows")
-    first = next(read_samples(rows, tok, cfg.dataset.maxLength, cfg.dataset.format), None)
-    if isinstance(first, Rejected):
-        say(
-            f"dataset ok: {cfg.dataset.uri} opens; its first row will be quarantined: {first.reason}: {first.detail}"
+    samples = list(read_samples(rows, tok, cfg.dataset.maxLength, cfg.dataset.format))
+    rejected = [s for s in samples if isinstance(s, Rejected)]
+    reasons = ", ".join(f"line {r.line}: {r.reason}: {r.detail[:200]}" for r in rejected[:3])
+    if rejected and len(rejected) == len(samples):
+        raise permanent(
+            f"DatasetRejected: all {len(samples)} of the first rows of {cfg.dataset.uri} would be set aside ({reasons}); "
+            "check dataset.format, chatTemplate and maxLength"
         )
+    if rejected:
+        say(f"dataset ok: {cfg.dataset.uri} opens; {len(rejected)} of its first {len(samples)} rows will be quarantined: {reasons}")
     else:
-        say(f"dataset ok: {cfg.dataset.uri} (first row renders)")
+        say(f"dataset ok: {cfg.dataset.uri} (its first {len(samples)} rows render)")
     try:  # reachability, credentials, conditional writes
         store = open_store(cfg.output, cfg.runId)
     except ValueError as exc:

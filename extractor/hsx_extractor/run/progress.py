@@ -47,6 +47,7 @@ class Progress:
     # read so far, and there is no ETA.
     planning: bool = False
     last_error: str | None = None
+    failure_reason: str | None = None  # a failure's own name (DatasetRejected), for the operator
     waiting_for: str | None = None  # before running: what the run waits for (the server's /health)
     quarantined: Counter[str] = field(default_factory=Counter)
     # Rates count from the first request (not from start-up) to the end of the run.
@@ -159,10 +160,11 @@ class Progress:
         self.state = "succeeded"
         self.finished_at = time.monotonic()
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, reason: str | None = None) -> None:
         self.state = "failed"
         self.finished_at = time.monotonic()
         self.last_error = message
+        self.failure_reason = reason
 
     @property
     def elapsed(self) -> float:
@@ -204,6 +206,7 @@ class Progress:
             planning=self.planning,
             requestsInFlight=self._in_flight_probe() if self._in_flight_probe else 0,
             lastError=self.last_error,
+            failureReason=self.failure_reason,
             state=self.state,
             runId=self.run_id,
             replicaIndex=self.replica_index,

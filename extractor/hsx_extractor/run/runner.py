@@ -11,7 +11,7 @@ import sys
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.contract import EXIT_OK, EXIT_PERMANENT, EXIT_TRANSIENT
 from hsx_extractor.run.extraction import Extraction, RunResult
-from hsx_extractor.run.failures import describe_failure
+from hsx_extractor.run.failures import describe_failure, failure_reason
 from hsx_extractor.run.progress import Progress, report_loop, start_progress_server
 
 
@@ -46,7 +46,7 @@ async def extract(cfg: ExtractConfig, progress: Progress | None = None) -> tuple
         result, code = None, EXIT_TRANSIENT
     except Exception as exc:
         message, code = describe_failure(exc)
-        progress.fail(message)
+        progress.fail(message, failure_reason(exc))
         result = None
         print(f"hsx extract: error: {message}", file=sys.stderr, flush=True)
     finally:

@@ -9,13 +9,15 @@ The values are checked here, or (``scan_values=False``) by the shard builder as 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from hsx_extractor.protocol import Dump
-from hsx_extractor.reasons import Reason
+from hsx_extractor.reasons import Reason, is_dataset_reason
 from hsx_extractor.storage import native
+from hsx_extractor.storage.commit_record import QuarantineEntry
 from hsx_extractor.storage.compress import count_non_finite
 
 
@@ -124,3 +126,39 @@ class MismatchGate:
                 "what was sent (check --disable-radix-cache, --chunked-prefill-size -1 and the hook)"
             )
         return None
+
+
+# Samples done before the rejection rate may stop a run early: a dataset's first rows can be unlike the rest.
+REJECTION_GATE_MIN_SAMPLES = 1000
+REJECTION_EXAMPLES = 3
+
+
+class DatasetRejected(RuntimeError):
+    """More of the run's samples were set aside by the dataset checks than validation.maxRejectedRowRate
+    allows: the dataset or its settings are wrong (permanent)."""
+
+    failure_reason = "DatasetRejected"
+
+
+def rejection_verdict(
+    quarantined: Mapping[str, int],
+    done: int,
+    max_rate: float,
+    *,
+    final: bool,
+    examples: Sequence[QuarantineEntry] = (),
+) -> str | None:
+    """Why the run must stop for its rejected rows (naming the top reasons and example lines), or None.
+    Early (not ``final``) only once :data:`REJECTION_GATE_MIN_SAMPLES` samples are done."""
+    rejected = {r: n for r, n in quarantined.items() if n and is_dataset_reason(r)}
+    count = sum(rejected.values())
+    if done == 0 or (not final and done < REJECTION_GATE_MIN_SAMPLES) or count <= max_rate * done:
+        return None
+    top = ", ".join(f"{r} {n}" for r, n in sorted(rejected.items(), key=lambda rn: -rn[1])[:5])
+    shown = [e for e in examples if is_dataset_reason(e.reason)][:REJECTION_EXAMPLES]
+    lines = "; ".join(f"line {e.line} ({e.reason}): {e.detail[:200]}" for e in shown)
+    return (
+        f"DatasetRejected: {count} of {done} samples ({count / done:.1%}) were set aside by the dataset checks, "
+        f"more than validation.maxRejectedRowRate {max_rate:.0%}: {top}" + (f"; e.g. {lines}" if lines else "")
+        + "; fix the dataset or its settings (dataset.format, chatTemplate, maxLength), then change runId"
+    )
