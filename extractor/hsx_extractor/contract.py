@@ -54,6 +54,9 @@ class ProgressReport(BaseModel):
     shardsTotal: int = 0
     # The plan is still being made while extracting: the totals are the rows read so far, no ETA yet.
     planning: bool = False
+    # While planning: the total the rows placed so far and the share of the dataset read suggest (plain
+    # JSONL, by bytes); None when unknown. Progress and ETA use it until the plan gives the real total.
+    samplesTotalEstimate: int | None = None
     requestsInFlight: int = 0
     lastError: str | None = None
     # Why a failed run stopped, when it has a name of its own (DatasetRejected, CaptureInconsistent): the

@@ -152,7 +152,7 @@ def merge_replica(
     base["index"] = index
     base["pod"] = pod_name
     given = report.model_fields_set
-    for key in ("state", *PROGRESS_COUNTERS, *PROGRESS_RATES, *PROGRESS_FLAGS, "etaSeconds"):
+    for key in ("state", *PROGRESS_COUNTERS, *PROGRESS_RATES, *PROGRESS_FLAGS, "etaSeconds", "samplesTotalEstimate"):
         if key in given:
             base[key] = getattr(report, key)
     if "lastError" in given:
@@ -167,12 +167,13 @@ def aggregate(replicas: Sequence[ReplicaStatus], running: bool, updated: str | N
     """One progress block for the run: counts summed, ETA of the slowest replica."""
     sums = {k: sum(getattr(r, k) for r in replicas) for k in PROGRESS_COUNTERS}
     rates = {k: sum(getattr(r, k) for r in replicas) if running else 0.0 for k in PROGRESS_RATES}
-    etas = [
-        r.etaSeconds for r in replicas if r.etaSeconds is not None and r.state not in ("succeeded", "failed")
-    ]
-    planning = running and any(r.planning for r in replicas if r.state not in ("succeeded", "failed"))
-    eta = max(etas) if etas and running and not planning else None
-    total = sums["samplesTotal"]
+    active = [r for r in replicas if r.state not in ("succeeded", "failed")]
+    etas = [r.etaSeconds for r in active if r.etaSeconds is not None]
+    planning = running and any(r.planning for r in active)
+    # While planning: an ETA only when every planning replica estimated its total (by bytes read), and
+    # progress against the estimates, so it does not jump ahead of the truth.
+    eta = max(etas) if etas and running and all(r.etaSeconds is not None for r in active if r.planning) else None
+    total = sum(max(r.samplesTotal, r.samplesTotalEstimate or 0) if r.planning else r.samplesTotal for r in replicas)
     # The extractor counts a quarantined sample as done (it is finished), so done alone is the progress.
     percent = min(100, sums["samplesDone"] * 100 // total) if total else 0
     return Progress.model_validate(
@@ -466,9 +467,8 @@ def observe(
         seen = _with_job(status, spec, job, pods, events, job_events, kueue, now)
 
     terminal = status.phase in TERMINAL_PHASES
-    status.progress = aggregate(
-        status.replicas, status.phase == Phase.RUNNING, status.progress.lastUpdateTime
-    )
+    status.progress = aggregate(status.replicas, status.phase == Phase.RUNNING, status.progress.lastUpdateTime)
+    status.progress.percent = max(status.progress.percent, base.progress.percent)  # never backwards in a run
     status.conditions = conditions_for(
         status, seen.stalled, seen.all_ready and status.phase == Phase.RUNNING, generation, now
     )

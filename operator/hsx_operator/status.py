@@ -159,6 +159,10 @@ class ReplicaStatus(_Status):
     planning: bool = Field(
         default=False, description="Still reading the dataset to plan its shards: the totals are so far."
     )
+    samplesTotalEstimate: int | None = Field(
+        default=None,
+        description="While planning: the total the share of the dataset read so far suggests (plain JSONL).",
+    )
     lastError: str = Field(default="", description="The extractor's last error, if any.", max_length=4096)
 
 

@@ -176,6 +176,22 @@ def test_a_replica_still_planning_shows_its_totals_so_far_and_no_eta() -> None:
     assert not later.progress.planning and later.progress.etaSeconds == 60 and "planning" not in later.message
 
 
+def test_planning_progress_uses_the_estimated_total_and_never_goes_backwards() -> None:
+    p0 = pod_json("xj-r1-0-a", index=0, server=SERVER_READY, extractor=EXTRACTOR_RUNNING)
+    # Rows read so far: 10 placed, 9 done; the bytes read say the dataset holds about 100.
+    early = {"samplesTotal": 10, "samplesDone": 9, "planning": True, "samplesTotalEstimate": 100, "etaSeconds": 91,
+             "state": "running"}  # fmt: skip
+    st = run(job=job_json(), pods=[p0], progress={"xj-r1-0-a": early}).status
+    assert st.progress.percent == 9 and st.progress.etaSeconds == 91  # not 90% of the rows read so far
+    # A later report whose estimate grew gives a lower ratio: the printed progress holds.
+    later = {**early, "samplesTotal": 20, "samplesDone": 10, "samplesTotalEstimate": 200}
+    again = run(prior=st, job=job_json(), pods=[p0], progress={"xj-r1-0-a": later}).status
+    assert again.progress.percent == 9
+    # No estimate (a compressed dataset): no ETA while planning, as before.
+    blind = {**early, "samplesTotalEstimate": None, "etaSeconds": None}
+    assert run(job=job_json(), pods=[p0], progress={"xj-r1-0-a": blind}).status.progress.etaSeconds is None
+
+
 def test_final_progress_is_read_from_the_termination_message() -> None:
     term = {
         "state": {

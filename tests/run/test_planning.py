@@ -171,6 +171,31 @@ def test_progress_totals_follow_the_planning_thread_and_end_when_the_plan_is_mad
     assert not progress.planning and after.etaSeconds is not None
 
 
+def test_the_bytes_read_estimate_the_total_and_the_eta_while_planning(tmp_path: Path) -> None:
+    from hsx_extractor.run.planning import ReadFraction
+    from hsx_extractor.run.sources import iter_rows
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
+    read = ReadFraction(str(dataset), dataset.stat().st_size)
+    rows = read.count(iter_rows(str(dataset)))
+    for _ in range(10):
+        next(rows)
+    assert 0.2 < read.fraction() < 0.3  # type: ignore[operator]
+    list(rows)
+    assert read.fraction() == 1.0
+    assert ReadFraction(str(tmp_path / "d.jsonl.gz"), 1000).fraction() is None  # compressed: unknown
+    progress = Progress("run", 0)
+    progress.watch_planning(lambda: (10, 1, False), lambda: 0.25)
+    progress.mark_running()
+    for _ in range(5):
+        progress.sample_done(7)
+    report = progress.report()
+    assert report.samplesTotalEstimate == 40 and report.samplesTotal == 10 and report.etaSeconds is not None
+    tiny = Progress("run", 0)
+    tiny.watch_planning(lambda: (10, 1, False), lambda: 0.001)  # too little read to say
+    assert tiny.report().samplesTotalEstimate is None
+
+
 def test_replicas_plan_ahead_with_turns_that_straddle_shards(tmp_path: Path, ref_server: RefServer) -> None:
     """expandTurns: one row's samples may fall in two shards of two replicas; each replica extracts only its
     own shards' samples, and together they hold every sample once."""

@@ -56,7 +56,7 @@ from hsx_extractor.run.plan import (
     hashed,
     replica_shards,
 )
-from hsx_extractor.run.planning import PlanAhead, check_committed, check_none_beyond
+from hsx_extractor.run.planning import PlanAhead, ReadFraction, check_committed, check_none_beyond
 from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.readers import Reader, owned_by, planned_reader, planning_reader
 from hsx_extractor.run.server_client import ServerClient
@@ -417,8 +417,10 @@ class Extraction:
             digests,
         )
 
+        read = ReadFraction(d.uri, uri_stat(d.uri, where).get("size"))
+
         def items() -> Iterator[Prepared | Rejected]:
-            rows = hashed(dataset_rows(self.cfg), digests)
+            rows = hashed(read.count(dataset_rows(self.cfg)), digests)
             return read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns)
 
         def check_cut(cut: ShardCut) -> None:
@@ -433,17 +435,14 @@ class Extraction:
             check_none_beyond(committed, plan, d.uri)
             kept = self.store_plan(store, plan)
             now = self.progress.report()
-            print(
-                f"hsx: plan stored: {len(kept.shards)} shards of {kept.rows} samples, the dataset read in "
-                f"{time.monotonic() - started:.1f}s; meanwhile {now.samplesDone} samples were done and "
-                f"{now.requestsInFlight} are at the server",
-                flush=True,
-            )
+            print(f"hsx: plan stored: {len(kept.shards)} shards of {kept.rows} samples, the dataset read in "
+                  f"{time.monotonic() - started:.1f}s; meanwhile {now.samplesDone} samples were done and "
+                  f"{now.requestsInFlight} are at the server", flush=True)  # fmt: skip
             return kept
 
         ahead = PlanAhead(items, planner, finish, check_cut, owned_by(self.cfg))
         started = time.monotonic()
-        self.progress.watch_planning(ahead.placed)
+        self.progress.watch_planning(ahead.placed, read.fraction)
         self.progress.mark_running()
         ahead.start()
         try:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import threading
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from hsx_extractor.run.dataset import Prepared, Rejected
 from hsx_extractor.run.failures import permanent
 from hsx_extractor.run.plan import Planner, ShardCut, ShardPlan
+from hsx_extractor.run.sources import OversizedRow, SourceRow, dataset_kind
 from hsx_extractor.storage.commit_record import ShardCommit
 from hsx_extractor.storage.store import Store
 
@@ -27,6 +28,25 @@ from hsx_extractor.storage.store import Store
 class Placement:
     shard: int
     duplicate: bool  # its id repeats an earlier accepted row's
+
+
+class ReadFraction:
+    """How much of a plain JSONL dataset the planning pass has read, by bytes: before the row count is
+    known it turns the rows placed so far into an estimate of the total (compressed files and Parquet:
+    unknown, None)."""
+
+    def __init__(self, uri: str, size: int | None) -> None:
+        self.size = size if dataset_kind(uri) == "jsonl" and size else None
+        self.read = 0
+
+    def count(self, rows: Iterable[SourceRow]) -> Iterator[SourceRow]:
+        for row in rows:
+            data = row.data
+            self.read += (len(data) if isinstance(data, bytes) else data.size if isinstance(data, OversizedRow) else 0) + 1
+            yield row
+
+    def fraction(self) -> float | None:
+        return min(self.read / self.size, 1.0) if self.size else None
 
 
 class PlanStopped(Exception):

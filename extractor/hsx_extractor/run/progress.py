@@ -26,6 +26,9 @@ RATE_WINDOW_S = 60.0
 MARK_EVERY_S = 1.0
 
 
+# The share of the dataset read before the rows placed so far estimate its total (1%: the first rows can mislead).
+MIN_READ_FRACTION = 0.01
+
 @dataclass
 class Progress:
     """Counters of one extractor process. Samples of shards committed before a restart count as
@@ -56,6 +59,7 @@ class Progress:
     _metrics: Metrics | None = None
     _in_flight_probe: Callable[[], int] | None = None
     _planning_probe: Callable[[], tuple[int, int, bool]] | None = None
+    _read_fraction: Callable[[], float | None] | None = None
     # (checked, failed) of the consistency check, read when asked
     _consistency_probe: Callable[[], tuple[int, int]] | None = None
     # (monotonic time, samples this process finished, tokens); the first is the newest mark at or
@@ -97,11 +101,25 @@ class Progress:
         if self.running_since is not None:
             self._mark(time.monotonic())
 
-    def watch_planning(self, probe: Callable[[], tuple[int, int, bool]]) -> None:
+    def watch_planning(
+        self, probe: Callable[[], tuple[int, int, bool]], fraction: Callable[[], float | None] = lambda: None
+    ) -> None:
         """While planning, the totals are ``probe()``: (samples, shards) of this replica placed so far and
-        whether the plan is made, which ends planning."""
+        whether the plan is made, which ends planning; ``fraction()``: how much of the dataset was read
+        (by bytes), when known, which makes an estimate of the total and so an ETA."""
         self._planning_probe = probe
+        self._read_fraction = fraction
         self.planning = True
+
+    def total_estimate(self) -> int | None:
+        """While planning: the samples placed so far over the fraction of the dataset read (never
+        below what is placed); None when the fraction is unknown or too small to say."""
+        if not self.planning or self._read_fraction is None:
+            return None
+        read = self._read_fraction()
+        if not read or read < MIN_READ_FRACTION:
+            return None
+        return max(self.samples_total, round(self.samples_total / read))
 
     def _read_planning(self) -> None:
         if self.planning and self._planning_probe is not None:
@@ -188,8 +206,9 @@ class Progress:
     def report(self) -> ProgressReport:
         samples_rate, tokens_rate = self.rates()
         self._read_planning()
-        remaining = max(self.samples_total - self.samples_done, 0)
-        eta = remaining / samples_rate if samples_rate > 0 and not self.planning else None
+        estimate = self.total_estimate()
+        remaining = max((estimate or self.samples_total) - self.samples_done, 0)
+        eta = remaining / samples_rate if samples_rate > 0 and (not self.planning or estimate) else None
         checked, failed = self._consistency_probe() if self._consistency_probe else (0, 0)
         return ProgressReport(
             samplesTotal=self.samples_total,
@@ -204,6 +223,7 @@ class Progress:
             shardsCommitted=self.shards_committed,
             shardsTotal=self.shards_total,
             planning=self.planning,
+            samplesTotalEstimate=estimate,
             requestsInFlight=self._in_flight_probe() if self._in_flight_probe else 0,
             lastError=self.last_error,
             failureReason=self.failure_reason,
@@ -319,7 +339,7 @@ async def _bar_loop(progress: Progress, stream: TextIO) -> None:
     def draw() -> None:
         s = progress.snapshot()
         bar.set_description_str(f"hsx {s['state']}", refresh=False)
-        bar.total, bar.n = s["samplesTotal"], s["samplesDone"]
+        bar.total, bar.n = s["samplesTotalEstimate"] or s["samplesTotal"], s["samplesDone"]
         bar.set_postfix_str(_bar_text(s), refresh=False)
         bar.refresh()
 
