@@ -378,6 +378,18 @@ class ExtractionJobSpec(_Spec):
                     "runId 'manifest' is reserved",
                 ),
                 cel(
+                    "!has(self.continueFrom) || self.continueFrom != self.runId",
+                    "continueFrom names an earlier runId, not this one",
+                ),
+                # Apart from the lock rule, and without CEL optionals: the API server prices an optional
+                # string as unbounded, past its cost budget.
+                cel(
+                    "self.runId != oldSelf.runId || (has(self.continueFrom) == has(oldSelf.continueFrom) && "
+                    "(!has(self.continueFrom) || self.continueFrom == oldSelf.continueFrom))",
+                    "continueFrom is fixed while runId stays: change runId too",
+                    reason="FieldValueForbidden",
+                ),
+                cel(
                     "self.server.port != self.extractor.progressPort",
                     "server.port and extractor.progressPort must differ: both listen in the same pod",
                 ),
@@ -394,6 +406,15 @@ class ExtractionJobSpec(_Spec):
     runId: str = Field(
         description="Identifies one run; output goes under {output.uri}/{runId}/. Change it to run again "
         "(a new Job, a new output prefix; earlier runs' data is kept). Lowercase letters, digits and '-'.",
+        pattern=RUN_ID_PATTERN,
+        max_length=40,
+    )
+    continueFrom: str | None = Field(
+        default=None,
+        description="Continue an earlier run that failed or was stopped (a deadline, backoffLimit): this run (a new "
+        "runId, a new Job) writes under {output.uri}/{continueFrom}/, keeps every shard committed there and "
+        "extracts the rest. The stored plan, dataset digests and model facts are checked as on any resume, so a "
+        "changed dataset or model fails instead of mixing. The output's runId stays continueFrom.",
         pattern=RUN_ID_PATTERN,
         max_length=40,
     )
@@ -465,6 +486,10 @@ class ExtractionJobSpec(_Spec):
         "runtime class, a CA bundle for HTTPS to S3.",
         json_schema_extra={"default": {}},
     )
+
+    def output_run_id(self) -> str:
+        """The run the output belongs to: continueFrom's, or this runId's."""
+        return self.continueFrom or self.runId
 
     def tensor_parallel(self) -> int:
         return self.server.tensorParallel or self.server.gpus

@@ -98,8 +98,8 @@ def config_map_name(xj_name: str, run_id: str) -> str:
 
 
 def output_prefix(spec: ExtractionJobSpec) -> str:
-    """Where this run writes: ``{output.uri}/{runId}/``."""
-    return f"{spec.output.uri.rstrip('/')}/{spec.runId}/"
+    """Where this run writes: ``{output.uri}/{runId}/`` (continueFrom's runId when continuing)."""
+    return f"{spec.output.uri.rstrip('/')}/{spec.output_run_id()}/"
 
 
 def manifest_uri(spec: ExtractionJobSpec) -> str:
@@ -123,7 +123,7 @@ def extract_config(spec: ExtractionJobSpec) -> ExtractConfig:
     """The extractor's config for every pod of the run; each pod's index comes from JOB_COMPLETION_INDEX."""
     dataset = spec.dataset.model_copy(update={"tokenizer": spec.dataset.tokenizer or spec.model.path})
     return ExtractConfig(
-        runId=spec.runId,
+        runId=spec.output_run_id(),
         dataset=dataset,
         output=spec.output,
         validation=spec.validation,
@@ -437,12 +437,12 @@ def _apply_pod_settings(pod: PodSettings, pod_spec: dict[str, Any], extractors: 
         pod_spec["imagePullSecrets"] = [{"name": n} for n in pod.imagePullSecrets]
     if pod.runtimeClassName:
         pod_spec["runtimeClassName"] = pod.runtimeClassName
-    if pod.caBundle is not None:
-        pod_spec["volumes"].append({"name": "ca-bundle", "configMap": {"name": pod.caBundle.name}})
+    if pod.caBundleConfigMap:
+        pod_spec["volumes"].append({"name": "ca-bundle", "configMap": {"name": pod.caBundleConfigMap}})
         for container in extractors:  # new lists: preflight was copied from the extractor, sharing them
             mount = {"name": "ca-bundle", "mountPath": CA_DIR, "readOnly": True}
             container["volumeMounts"] = [*container["volumeMounts"], mount]
-            container["env"] = [*container["env"], {"name": "AWS_CA_BUNDLE", "value": f"{CA_DIR}/{pod.caBundle.key}"}]
+            container["env"] = [*container["env"], {"name": "AWS_CA_BUNDLE", "value": f"{CA_DIR}/{pod.caBundleKey}"}]
 
 
 def with_queue_label(spec: ExtractionJobSpec, xj_labels: Mapping[str, str] | None) -> ExtractionJobSpec:

@@ -190,7 +190,7 @@ def _reconcile(
         and bool((job["metadata"].get("labels") or {}).get(LABEL_QUEUE))
     )
     kueue = cluster.kueue_view(namespace, job["metadata"]["uid"]) if waits_for_kueue and job else None
-    reports = poll_pods(polled, xj.extractor.progressPort, xj.runId)
+    reports = poll_pods(polled, xj.extractor.progressPort, xj.output_run_id())
     now = cluster.now()  # the API server's clock, as the Job's timestamps are
     outcome = observe(
         xj_name=name,

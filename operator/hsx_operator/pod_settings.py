@@ -5,15 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from hsx_operator.cel import cel
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 # Label and annotation keys hsx sets itself, which a user's must not replace.
 RESERVED_PREFIXES = ("hsx.dev/", "app.kubernetes.io/", "kueue.x-k8s.io/", "batch.kubernetes.io/")
-_MAP: dict[str, Any] = {"maxProperties": 32, "additionalProperties": {"type": "string", "maxLength": 4096}}
-_NO_RESERVED_KEYS = " && ".join(f"!k.startsWith('{p}')" for p in RESERVED_PREFIXES)
+# Bounded so the spec's CEL rules stay within the API server's cost budget (it prices by maximum size).
+_LABELS: dict[str, Any] = {"maxProperties": 16, "additionalProperties": {"type": "string", "maxLength": 63}}
+_ANNOTATIONS: dict[str, Any] = {"maxProperties": 16, "additionalProperties": {"type": "string", "maxLength": 1024}}
 # Where a CA bundle from a ConfigMap is mounted in the extractor's containers.
 CA_DIR = "/etc/hsx/ca"
 
@@ -22,26 +21,8 @@ class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
-class ConfigMapKey(_Spec):
-    """One key of a ConfigMap in the job's namespace."""
-
-    name: str = Field(description="ConfigMap name.", min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
-    key: str = Field(description="Key holding the PEM bundle.", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
-
-
 class PodSettings(_Spec):
     """Settings of every pod of the run, passed through as the Pod API has them."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(f"!has(self.labels) || self.labels.all(k, {_NO_RESERVED_KEYS})",
-                    f"pod.labels must not use hsx's own prefixes {', '.join(RESERVED_PREFIXES)}"),
-                cel(f"!has(self.annotations) || self.annotations.all(k, {_NO_RESERVED_KEYS})",
-                    f"pod.annotations must not use hsx's own prefixes {', '.join(RESERVED_PREFIXES)}"),
-            ]
-        }
-    )  # fmt: skip
 
     serviceAccountName: str | None = Field(
         default=None,
@@ -62,12 +43,12 @@ class PodSettings(_Spec):
     labels: dict[str, str] = Field(
         default_factory=dict,
         description="Extra labels of the pods (cost allocation, network policies); hsx's own keys are refused.",
-        json_schema_extra=_MAP,
+        json_schema_extra=_LABELS,
     )
     annotations: dict[str, str] = Field(
         default_factory=dict,
-        description="Extra annotations of the pods (service meshes, monitoring agents).",
-        json_schema_extra=_MAP,
+        description="Extra annotations of the pods (service meshes, monitoring agents); hsx's own keys are refused.",
+        json_schema_extra=_ANNOTATIONS,
     )
     runtimeClassName: str | None = Field(
         default=None,
@@ -75,8 +56,26 @@ class PodSettings(_Spec):
         max_length=253,
         pattern=DNS_SUBDOMAIN_PATTERN,
     )
-    caBundle: ConfigMapKey | None = Field(
+    # Two scalars, not an optional object: the API server prices optional objects in CEL as unbounded.
+    caBundleConfigMap: str | None = Field(
         default=None,
-        description=f"A PEM bundle of CAs the extractor trusts for HTTPS to S3 (an on-prem store signed by a private "
-        f"CA): mounted under {CA_DIR} and named by AWS_CA_BUNDLE.",
+        description=f"A ConfigMap in the job's namespace holding a PEM bundle of CAs the extractor trusts for HTTPS to "
+        f"S3 (an on-prem store signed by a private CA): mounted under {CA_DIR} and named by AWS_CA_BUNDLE.",
+        max_length=253,
+        pattern=DNS_SUBDOMAIN_PATTERN,
     )
+    caBundleKey: str = Field(
+        default="ca.crt",
+        description="The key of caBundleConfigMap holding the bundle.",
+        max_length=253,
+        pattern=r"^[-._a-zA-Z0-9]+$",
+    )
+
+    # A key check in CEL would price every key at the largest request: the operator checks it (InvalidSpec).
+    @field_validator("labels", "annotations")
+    @classmethod
+    def _no_reserved_keys(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        taken = sorted(k for k in value if k.startswith(RESERVED_PREFIXES))
+        if taken:
+            raise ValueError(f"pod.{info.field_name} must not use hsx's own prefixes {', '.join(RESERVED_PREFIXES)}: {taken}")
+        return value

@@ -223,8 +223,8 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "server.engine vllm runs one tensor-parallel group per pod",
     ),
     ("no-spec", {k: v for k, v in VALID.items() if k != "spec"}, "spec: Required value"),
-    ("pod-label-hsx-prefix", _with("pod", {"labels": {"hsx.dev/run-id": "x"}}), "pod.labels must not use hsx's own prefixes"),
-    ("pod-annotation-kueue", _with("pod", {"annotations": {"kueue.x-k8s.io/x": "y"}}), "pod.annotations must not use"),
+    ("continue-from-itself", _with("continueFrom", "r1"), "continueFrom names an earlier runId"),
+    ("pod-label-long-value", _with("pod", {"labels": {"team": "x" * 64}}), "spec.pod.labels.team: Too long"),
     ("pod-sa-uppercase", _with("pod", {"serviceAccountName": "Builder"}), "spec.pod.serviceAccountName: Invalid value"),
     ("pod-pull-secret-bad", _with("pod", {"imagePullSecrets": ["a b"]}), "spec.pod.imagePullSecrets[0]: Invalid value"),
     (
@@ -256,7 +256,7 @@ def test_cross_field_rules_let_sound_specs_through(xj_crd: Any, namespace: str) 
     doc["spec"]["extractor"] = {"dumpDirMaxBytes": 16 << 30}
     doc["spec"]["pod"] = {"serviceAccountName": "s3-reader", "imagePullSecrets": ["registry"], "labels": {"team": "ml"},
                           "annotations": {"example.com/cost": "a"}, "runtimeClassName": "nvidia",
-                          "caBundle": {"name": "corp-ca", "key": "ca.crt"}}  # fmt: skip
+                          "caBundleConfigMap": "corp-ca"}  # fmt: skip
     xj_crd.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(doc))
     # vLLM with its own tuning flags (SGLang's owned --context-length is vLLM's to take).
     doc["metadata"]["name"] = "xj-vllm"
@@ -317,6 +317,9 @@ def test_spec_is_locked_while_runid_stays(xj_crd: Any, namespace: str) -> None:
         check=False,
     )
     assert window.returncode != 0 and "change runId too" in window.stderr
+    for patch in ('{"spec":{"continueFrom":"r0"}}', '{"spec":{"pod":{"labels":{"team":"ml"}}}}'):
+        refused = xj_crd.kubectl("patch", "xj", "xj", "-n", namespace, "--type=merge", "-p", patch, check=False)
+        assert refused.returncode != 0 and "change runId too" in refused.stderr, patch
     xj_crd.kubectl("patch", "xj", "xj", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}')
     xj_crd.kubectl(
         "patch", "xj", "xj", "-n", namespace, "--type=merge", "-p", '{"spec":{"runId":"r2","concurrency":5}}'

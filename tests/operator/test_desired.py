@@ -281,7 +281,7 @@ def test_user_arguments_reach_the_server_literally_through_kubernetes_expansion(
 def test_pod_settings_pass_through_and_hsx_keys_win() -> None:
     spec = make_spec(pod={"serviceAccountName": "s3-reader", "imagePullSecrets": ["registry"], "runtimeClassName": "nvidia",
                           "labels": {"team": "ml"}, "annotations": {"example.com/cost": "a"},
-                          "caBundle": {"name": "corp-ca", "key": "ca.crt"}})  # fmt: skip
+                          "caBundleConfigMap": "corp-ca"})  # fmt: skip
     job = desired_job(Owner(name="xj", namespace="ml", uid="u"), spec)
     pod = job["spec"]["template"]
     assert pod["spec"]["serviceAccountName"] == "s3-reader" and pod["spec"]["automountServiceAccountToken"] is False
@@ -309,3 +309,15 @@ def test_the_kueue_queue_label_on_the_extractionjob_names_its_queue() -> None:
     explicit = with_queue_label(make_spec(scheduling={"queueName": "mine"}), {"kueue.x-k8s.io/queue-name": "team-a"})
     assert explicit.scheduling.queueName == "mine"
     assert with_queue_label(make_spec(), None).scheduling.queueName is None
+
+
+def test_a_continued_run_writes_under_the_run_it_continues() -> None:
+    from hsx_operator.desired import desired_config_map, extract_config, output_prefix
+
+    spec = make_spec(runId="r2", continueFrom="r1")
+    owner = Owner(name="xj", namespace="ml", uid="u")
+    assert extract_config(spec).runId == "r1" and output_prefix(spec).endswith("/r1/")
+    assert yaml.safe_load(desired_config_map(owner, spec)["data"]["config.yaml"])["runId"] == "r1"
+    job = desired_job(owner, spec)
+    assert job["metadata"]["name"] == "xj-r2" and job["metadata"]["labels"]["hsx.dev/run-id"] == "r2"
+    assert extract_config(make_spec(runId="r2")).runId == "r2"

@@ -21,6 +21,7 @@ from tests.operator.conftest import OperatorProcess, wait_for
 from tests.operator.e2e import (
     QUIET_SECONDS,
     SLOW,
+    committed_files,
     conditions,
     final_log,
     phase,
@@ -230,3 +231,42 @@ def test_two_replicas_split_the_shards_under_one_status_and_ttl_cleanup_keeps_it
     assert ns.get("job", "pair-r1") is None and not ns.pods_of("pair-r1")
     after = ns.status("pair")
     assert after["phase"] == "Succeeded" and after["progress"] == done["progress"], after
+
+
+def test_a_failed_run_is_continued_by_a_new_run_id_without_losing_or_repeating_a_sample(
+    ns: Namespace,
+    run_env: dict[str, Any],
+    long_dataset: Path,
+    start_operator: Callable[[], OperatorProcess],
+    hsx_node: Any,
+) -> None:
+    """A run that ran out of retries (backoffLimit 0, its extractor killed) ends Failed; `runId: r2` with
+    `continueFrom: r1` keeps r1's shards byte for byte and extracts only the rest, each row once."""
+    start_operator()
+    env = {**run_env, "dataset": long_dataset}
+    run_dir = start_slow_run(ns, "cont", env, backoffLimit=0)
+    (first,) = ns.pods_of("cont-r1")
+    hsx_node.kill_container(ns.name, first["metadata"]["name"], "extractor", signal.SIGKILL)
+    failed = wait_for(phase(ns, "cont", "Failed", "Succeeded"), 240, "run r1 to fail")
+    assert failed["phase"] == "Failed", failed
+    kept = committed_files(run_dir, "r1")
+    total = planned_shards(run_dir) if (run_dir / "plan.json").exists() else None
+    assert kept, "nothing committed before the failure"
+
+    ns.apply(xj_manifest("cont", "r2", **env, **SLOW, continueFrom="r1"))
+    done = wait_for(
+        lambda: (st := ns.status("cont")).get("observedRunId") == "r2" and st.get("phase") in ("Succeeded", "Failed") and st,
+        420, "run r2 to end",
+    )  # fmt: skip
+    assert done["phase"] == "Succeeded", done
+    assert done["output"]["prefix"].endswith("/r1/") and not (run_env["output"] / "r2").exists()
+    after = committed_files(run_dir, "r1")
+    assert {k: after[k] for k in kept} == kept  # r1's shards untouched
+    store = run_store(env["output"], "r1")
+    assert store.committed_shards() == set(range(total or planned_shards(run_dir)))
+    (second,) = ns.pods_of("cont-r2")
+    _, _, tokens_second = final_log(hsx_node, ns.name, second["metadata"]["name"])
+    tokens_all = sum(sum(s.seq_len for s in store.read_header(k).samples) for k in store.committed_shards())
+    assert 0 < tokens_second < tokens_all  # only what r1 had not committed
+    assert_each_row_once(run_dir, long_dataset)
+    assert [h["runId"] for h in done["history"]] == ["r1"] and done["history"][0]["phase"] == "Failed"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ from hsx_extractor.config import OutputSpec
 from hsx_extractor.reader import HiddenStatesDataset
 from hsx_extractor.storage.backends import PermanentStoreError, ShardConflictError
 from hsx_extractor.storage.commit_record import QuarantineEntry
-from hsx_extractor.storage.shard_format import NonFiniteValues
+from hsx_extractor.storage.shard_format import NonFiniteValues, SampleRecord
 from hsx_extractor.storage.store import open_store
 from hsx_extractor.storage.uris import open_uri_chunks
 from hsx_extractor.tools.verify import run_verify
@@ -130,6 +131,39 @@ def test_identical_second_writer_succeeds_and_different_one_fails_loudly(tmp_pat
         different.seal()
     assert key.read_bytes() == before
     assert [p.name for p in (tmp_path / "run-1" / "shards").iterdir()] == [key.name]  # the loser's is gone
+
+
+def noisy(rec: SampleRecord, scale: float = 1e-2) -> SampleRecord:
+    """The same sample (ids, mask) with other hidden states, as a GPU rerun gives them."""
+    shift = np.asarray(scale, dtype=rec.hidden_states.dtype)
+    return dataclasses.replace(rec, hidden_states=rec.hidden_states + shift, aux_hidden_states=rec.aux_hidden_states - shift)
+
+
+def test_a_second_writer_with_other_states_of_the_same_samples_adopts_the_committed_shard(tmp_path: Path) -> None:
+    plan = plan_for(3, 3)
+    (first,) = write_run(_store(tmp_path), plan)
+    before = (tmp_path / first.key).read_bytes()
+    rerun = _store(tmp_path).open_shard(0, range(0, 3))
+    for i in range(3):
+        rerun.add(noisy(record(i, seq_len_of(i))))
+    adopted = rerun.seal()
+    assert adopted == first and adopted.key == first.key  # the winner's record, not ours
+    assert (tmp_path / first.key).read_bytes() == before
+    assert [p.name for p in (tmp_path / "run-1" / "shards").iterdir()] == [Path(first.key).name]  # ours deleted
+    # Other token ids (one sample differs only there) are other samples: a conflict, as before.
+    other = _store(tmp_path).open_shard(0, range(0, 3))
+    for i in range(3):
+        rec = record(i, seq_len_of(i))
+        other.add(dataclasses.replace(rec, input_ids=rec.input_ids[::-1].copy()) if i == 1 else rec)
+    with pytest.raises(ShardConflictError, match="different content"):
+        other.seal()
+    # Another quarantine reason for a row is another shard too.
+    quarantined = _store(tmp_path).open_shard(0, range(0, 3))
+    for i in range(2):
+        quarantined.add(noisy(record(i, seq_len_of(i))))
+    quarantined.quarantine(QuarantineEntry(2, "row-2", "too_long", "longer than maxLength"))
+    with pytest.raises(ShardConflictError):
+        quarantined.seal()
 
 
 def test_killed_between_object_and_record_then_different_bytes_on_restart(tmp_path: Path) -> None:

@@ -8,8 +8,8 @@ A shard counts only once its *commit record* exists. Sealing a shard:
    checksum): equal header + size -> success, anything else is a :class:`ShardConflictError`.
 2. create the commit record only if absent. This one conditional write decides the shard: an
    existing record must describe the same content (:meth:`ShardCommit.content`: object, range,
-   samples, quarantined rows and reasons; free-text details may differ), else
-   :class:`ShardConflictError` (nothing is overwritten).
+   samples, quarantined rows and reasons; free-text details may differ), or the same samples with
+   other states, which the loser adopts (``shard_identity``), else :class:`ShardConflictError`.
 
 A writer killed between 1 and 2 leaves an object no record names; the restarted writer may
 produce different bytes (GPU kernels are not bit-deterministic), which then land under a
@@ -21,10 +21,11 @@ is written last, by :meth:`Store.finalize`, once every planned shard has a recor
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +39,6 @@ from hsx_extractor.storage.backends import (
     TransientStoreError,
 )
 from hsx_extractor.storage.commit_record import MAX_COMMIT_BYTES, QuarantineEntry, ShardCommit
-from hsx_extractor.storage.compress import PlaneBuffers
 from hsx_extractor.storage.layer_stats import combine, layer_norms, sample_norm_sums
 from hsx_extractor.storage.layout import MANIFEST_NAME, RunLayout, validate_name
 from hsx_extractor.storage.manifest import build_manifest
@@ -56,37 +56,15 @@ from hsx_extractor.storage.shard_format import (
     layout_shard,
     parse_header,
 )
+from hsx_extractor.storage.shard_identity import same_samples
 from hsx_extractor.storage.spool import SpooledObject, SpoolFiles, pwrite_all
 from hsx_extractor.storage.stored_json import load_json
+from hsx_extractor.storage.thread_buffers import read_buffer, thread_planes
 from hsx_extractor.storage.token_counts import add_counts, count_masked
 from hsx_extractor.storage.uris import open_backend
 
 HEAD_PROBE_BYTES = 64 << 10  # first read of a shard; usually holds the whole header
 MAX_NAMED_JSON_BYTES = 1 << 30  # plan.json and manifest.json: beyond this, damage
-
-
-_local = threading.local()
-
-
-def _thread_planes() -> PlaneBuffers:
-    if not hasattr(_local, "planes"):
-        _local.planes = PlaneBuffers(kernels=native.kernels())
-    return _local.planes  # type: ignore[no-any-return]
-
-
-# A sample's stored bytes are read into a buffer kept per thread: fresh pages for every read cost
-# the trainer's reader a quarter of its CPU (bench/reader.py, bf16-zstd: 1.14 -> 0.91 core-s per GB).
-# Larger samples get their own.
-READ_BUFFER_KEPT_BYTES: Final = 256 << 20
-
-
-def _read_buffer(length: int) -> memoryview:
-    if length > READ_BUFFER_KEPT_BYTES:
-        return memoryview(bytearray(length))
-    kept: bytearray | None = getattr(_local, "read_buffer", None)
-    if kept is None or len(kept) < length:
-        kept = _local.read_buffer = bytearray(length)
-    return memoryview(kept)[:length]
 
 
 class ShardBuilder:
@@ -120,7 +98,7 @@ class ShardBuilder:
     def add(self, sample: SampleRecord) -> None:
         """Encode and spool one sample; raises NonFiniteValues (adding nothing) when its hidden states hold
         Inf or NaN, counted as the encoding reads them (so validation need not read them first)."""
-        planes = _thread_planes()
+        planes = thread_planes()
         planes.reuse()  # this thread's previous sample is in its spool already
         encoded = encode_sample(sample, self._codec, planes)  # CPU work outside the lock
         if encoded.non_finite:
@@ -193,10 +171,9 @@ class ShardBuilder:
                 consistency=consistency,
                 source=source,
             )
-            self._store.commit_shard(commit, spooled)
-            self.result = commit
+            self.result = self._store.commit_shard(commit, spooled)  # ours, or an equal writer's adopted
             self._close()
-            return commit
+            return self.result
 
     def abort(self) -> None:
         with self._lock:
@@ -310,8 +287,9 @@ class Store:
         )
         return self.backend.abort_uploads(prefix)
 
-    def commit_shard(self, commit: ShardCommit, source: ObjectSource) -> None:
-        """Steps 1 and 2 of the protocol (module docstring)."""
+    def commit_shard(self, commit: ShardCommit, source: ObjectSource) -> ShardCommit:
+        """Steps 1 and 2 of the protocol (module docstring); returns the shard's record: ours, or the
+        one another writer committed first with the same samples (storage/shard_identity)."""
         self.abort_stale_uploads(commit.shard_index)
         metadata = {"hsx-checksum": commit.checksum, "hsx-format": "hsx-shard/1"}
         if not self.backend.upload_if_absent(commit.key, source, metadata):
@@ -321,7 +299,7 @@ class Store:
         commit_key = self.layout.commit_key(commit.shard_index)
         if self.backend.put_if_absent(commit_key, record):
             failpoints.reach("record-written")
-            return
+            return commit
         try:
             existing = self.backend.get(commit_key, MAX_COMMIT_BYTES)
             stored = load_json(existing, "commit record", MAX_COMMIT_BYTES) if existing is not None else None
@@ -331,15 +309,25 @@ class Store:
         if theirs_commit is not None and theirs_commit.content() == commit.content():
             # An identical writer (a duplicate pod, or our own retried request) got there first;
             # only free-text quarantine details (which name request ids) may differ.
-            return
+            return theirs_commit
         theirs = stored.get("key") if isinstance(stored, dict) else None
         if theirs != commit.key:
             self.backend.delete(commit.key)  # unreferenced: nobody will ever read it
+        if theirs_commit is not None and self._same_samples(commit, source, theirs_commit):
+            return theirs_commit  # other states of the same samples (GPUs are not bit-deterministic)
         raise ShardConflictError(
             f"commit record {self.backend.description}/{commit_key} already exists with different "
             f"content (it names {theirs!r}, we wrote {commit.key!r}): two writers produced different "
             "data for one shard. Not overwriting; ours was discarded."
         )
+
+    def _same_samples(self, ours: ShardCommit, source: ObjectSource, theirs: ShardCommit) -> bool:
+        # Their object is checked against its record as any reader checks it.
+        their_read = functools.partial(self.backend.get_range, theirs.key)
+        try:
+            return same_samples(ours, source, theirs, lambda: self.checked_header(theirs), their_read)
+        except (ShardFormatError, PermanentStoreError):
+            return False
 
     def _check_same_shard(self, commit: ShardCommit) -> None:
         size = self.backend.size(commit.key)
@@ -425,7 +413,7 @@ class Store:
         """One ranged read (shard by key or committed index), then decode (hidden states into buffers from
         ``allocate`` when given); checksummed unless ``verify`` is False."""
         key = self.shard_object_key(shard)
-        data = self.backend.get_range_into(key, header.data_start + entry.offset, _read_buffer(entry.length))
+        data = self.backend.get_range_into(key, header.data_start + entry.offset, read_buffer(entry.length))
         # Every array decode_sample returns is its own (decoded or copied), so the buffer is free again.
         return decode_sample(data, entry, verify=verify, allocate=allocate, kernels=native.kernels())
 
