@@ -48,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="let ExtractionJobs use the system-* priority class NAME (repeatable; none by default)",
     )
+    parser.add_argument(
+        "--allow-image-prefix",
+        metavar="PREFIX",
+        action="append",
+        default=[],
+        help="run only images under PREFIX (registry/repository, repeatable; default: any image)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
 
@@ -63,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     from hsx_operator.policy import NodeAccessPolicy
 
     try:
-        handlers.POLICY = NodeAccessPolicy.of(args.allow_host_path, args.allow_priority_class)
+        handlers.POLICY = NodeAccessPolicy.of(args.allow_host_path, args.allow_priority_class, args.allow_image_prefix)
     except ValueError as exc:
         build_parser().error(str(exc))
 

@@ -27,6 +27,7 @@ VALUE_SETS: dict[str, dict[str, str]] = {
         "metrics.serviceMonitor.enabled": "true",
         "policy.allowedHostPaths": "{/mnt/models,/data}",
         "policy.allowedPriorityClasses": "{system-cluster-critical}",
+        "policy.allowedImagePrefixes": "{registry.example.com/ml/,ghcr.io/hsx-dev/}",
     },
     "observability": {
         "metrics.extractorPodMonitor.enabled": "true",
@@ -189,6 +190,8 @@ def test_the_operator_accepts_the_arguments_the_chart_passes() -> None:
         assert args.allow_host_path == [p for p in host_paths.split(",") if p], name
         classes = values.get("policy.allowedPriorityClasses", "{}").strip("{}")
         assert args.allow_priority_class == [c for c in classes.split(",") if c], name
+        images = values.get("policy.allowedImagePrefixes", "{}").strip("{}")
+        assert args.allow_image_prefix == [i for i in images.split(",") if i], name
 
 
 def rules_of(doc: dict[str, Any]) -> set[tuple[str, str]]:

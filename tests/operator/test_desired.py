@@ -321,3 +321,12 @@ def test_a_continued_run_writes_under_the_run_it_continues() -> None:
     job = desired_job(owner, spec)
     assert job["metadata"]["name"] == "xj-r2" and job["metadata"]["labels"]["hsx.dev/run-id"] == "r2"
     assert extract_config(make_spec(runId="r2")).runId == "r2"
+
+
+def test_pod_labels_and_annotations_under_hsxs_prefixes_are_refused() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    for field in ("labels", "annotations"):
+        with pytest.raises(ValidationError, match=f"pod.{field} must not use hsx's own prefixes"):
+            make_spec(pod={field: {"hsx.dev/run-id": "x"}})

@@ -61,3 +61,20 @@ def test_system_priority_classes_need_the_admins_allowance() -> None:
 def test_a_relative_prefix_is_a_configuration_error() -> None:
     with pytest.raises(ValueError, match="must be absolute"):
         NodeAccessPolicy.of(["models"])
+
+
+def test_images_outside_the_admins_registries_are_refused() -> None:
+    spec = make_spec(model={"path": "/models/m", "source": {"image": {"reference": "docker.io/someone/weights:1"}}},
+                     extractor={"image": "registry.example.com/ml/hsx-extractor:0.1.0"})  # fmt: skip
+    pod = desired_job(Owner(name="xj", namespace="ml", uid="u"), spec)["spec"]["template"]["spec"]
+    assert not [v for v in violations(pod, NodeAccessPolicy()) if "image" in v]  # no list: any image
+    policy = NodeAccessPolicy.of(image_prefixes=["registry.example.com/ml/", "ghcr.io/hsx-dev"])
+    found = [v for v in violations(pod, policy) if "image" in v]
+    assert len(found) == 1 and "model volume image docker.io/someone/weights:1" in found[0], found
+    assert "policy.allowedImagePrefixes" in found[0]
+    # A prefix ends at a path component: ghcr.io/hsx-dev does not allow ghcr.io/hsx-devil/.
+    devil = make_spec(server={"image": "ghcr.io/hsx-devil/sglang:1"})
+    pod = desired_job(Owner(name="xj", namespace="ml", uid="u"), devil)["spec"]["template"]["spec"]
+    assert any("sglang image ghcr.io/hsx-devil/sglang:1" in v for v in violations(pod, policy))
+    with pytest.raises(ValueError, match="--allow-image-prefix"):
+        NodeAccessPolicy.of(image_prefixes=["nginx"])
