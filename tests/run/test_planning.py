@@ -176,14 +176,15 @@ def test_the_bytes_read_estimate_the_total_and_the_eta_while_planning(tmp_path: 
     from hsx_extractor.run.sources import iter_rows
 
     dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(40))
-    read = ReadFraction(str(dataset), dataset.stat().st_size)
+    read = ReadFraction(str(dataset), lambda: dataset.stat().st_size)
     rows = read.count(iter_rows(str(dataset)))
     for _ in range(10):
         next(rows)
     assert 0.2 < read.fraction() < 0.3  # type: ignore[operator]
     list(rows)
     assert read.fraction() == 1.0
-    assert ReadFraction(str(tmp_path / "d.jsonl.gz"), 1000).fraction() is None  # compressed: unknown
+    assert ReadFraction(str(tmp_path / "d.jsonl.gz"), lambda: 1000).fraction() is None  # compressed: unknown
+    assert ReadFraction(str(tmp_path / "absent.jsonl"), lambda: (tmp_path / "absent.jsonl").stat().st_size).fraction() is None
     progress = Progress("run", 0)
     progress.watch_planning(lambda: (10, 1, False), lambda: 0.25)
     progress.mark_running()

@@ -417,7 +417,7 @@ class Extraction:
             digests,
         )
 
-        read = ReadFraction(d.uri, uri_stat(d.uri, where).get("size"))
+        read = ReadFraction(d.uri, lambda: uri_stat(d.uri, where).get("size"))
 
         def items() -> Iterator[Prepared | Rejected]:
             rows = hashed(read.count(dataset_rows(self.cfg)), digests)

@@ -35,8 +35,11 @@ class ReadFraction:
     known it turns the rows placed so far into an estimate of the total (compressed files and Parquet:
     unknown, None)."""
 
-    def __init__(self, uri: str, size: int | None) -> None:
-        self.size = size if dataset_kind(uri) == "jsonl" and size else None
+    def __init__(self, uri: str, size: Callable[[], int | None]) -> None:
+        """``size()``: the dataset's size in bytes, asked once, when first needed; a dataset that cannot
+        be stat'ed is the reader's to report (a missing file is a DatasetError there), here only unknown."""
+        self._size = size if dataset_kind(uri) == "jsonl" else None
+        self.size: int | None = None
         self.read = 0
 
     def count(self, rows: Iterable[SourceRow]) -> Iterator[SourceRow]:
@@ -46,6 +49,12 @@ class ReadFraction:
             yield row
 
     def fraction(self) -> float | None:
+        if self._size is not None:
+            ask, self._size = self._size, None
+            try:
+                self.size = ask() or None
+            except Exception:  # unknown size: no estimate, never a failure
+                self.size = None
         return min(self.read / self.size, 1.0) if self.size else None
 
 
