@@ -8,7 +8,10 @@ Writes into ``--out`` (default ``./vocab-{runId}``), for a target vocabulary of 
   the draft model's ``d2t``/``t2d`` buffers of those dtypes and shapes);
 * ``d2t.npy`` and ``t2d.npy``: the same arrays with ``numpy.save``, as speculators' ``train.py``
   loads them (``--d2t-path``/``--t2d-path``, or found in its ``--data-path``);
-* ``token_freq.pt``: ``{token id: count}`` saved with ``torch.save``, speculators' frequency file.
+* ``token_freq.pt``: ``{token id: count}`` saved with ``torch.save``, speculators' frequency file;
+* ``d2t.pt``: the bare int64 ``d2t`` tensor saved with ``torch.save``, Model-Optimizer's
+  ``data.draft_vocab_cache`` (``HFEagleModel.load_draft_vocab_cache``: ``torch.load``, shape and dtype
+  checked against the draft's ``d2t`` buffer, then ``copy_``).
 
 ``t2d[i]`` is True for the N draft tokens; draft token k is target id ``k + d2t[k]`` (draft ids in
 ascending target order). The N tokens are the most frequent, ties to the lower id; when fewer than
@@ -36,6 +39,7 @@ from hsx_extractor.storage.token_counts import counts_from_json
 
 MAPPING_FILE = "vocab_mapping.pt"
 D2T_FILE, T2D_FILE, FREQ_FILE = "d2t.npy", "t2d.npy", "token_freq.pt"
+MODELOPT_D2T_FILE = "d2t.pt"
 
 
 class VocabError(ValueError):
@@ -112,11 +116,12 @@ def write_vocab(
     np.save(where / D2T_FILE, d2t)
     np.save(where / T2D_FILE, t2d)
     torch.save(dict(sorted(counts.items())), where / FREQ_FILE)
+    torch.save(torch.from_numpy(d2t), where / MODELOPT_D2T_FILE)
     total = sum(counts.values())
     covered = sum(counts.get(int(t), 0) for t in np.flatnonzero(t2d))
     return {
         "out": str(where),
-        "files": [MAPPING_FILE, D2T_FILE, T2D_FILE, FREQ_FILE],
+        "files": [MAPPING_FILE, D2T_FILE, T2D_FILE, FREQ_FILE, MODELOPT_D2T_FILE],
         "draftVocabSize": draft_size,
         "targetVocabSize": target,
         "distinctTokens": len(counts),
