@@ -2,7 +2,7 @@
 
 The public face, for trainers and scripts::
 
-    from hsx_extractor import Capture, HiddenStatesDataset, OutputReader, ExtractConfig
+    from hsx_extractor import Capture, HiddenStatesDataset, OutputReader, ExtractConfig, FollowedRun
 
 Everything else is imported from the module that owns it (docs/architecture.md). The names
 below load on first use, so importing one small module (the operator imports ``config`` and
@@ -18,14 +18,25 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "HiddenStatesDataset": "hsx_extractor.reader",
+    "FollowedRun": "hsx_extractor.follow",
+    "RunStalled": "hsx_extractor.follow",
     "OutputReader": "hsx_extractor.reader",
     "ExtractConfig": "hsx_extractor.config",
     "Capture": "hsx_extractor.storage.manifest",
 }
-__all__ = ["Capture", "ExtractConfig", "HiddenStatesDataset", "OutputReader", "__version__"]
+__all__ = [
+    "Capture",
+    "ExtractConfig",
+    "FollowedRun",
+    "HiddenStatesDataset",
+    "OutputReader",
+    "RunStalled",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from hsx_extractor.config import ExtractConfig
+    from hsx_extractor.follow import FollowedRun, RunStalled
     from hsx_extractor.reader import HiddenStatesDataset, OutputReader
     from hsx_extractor.storage.manifest import Capture
 

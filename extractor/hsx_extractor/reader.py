@@ -196,8 +196,20 @@ class HiddenStatesDataset(_Base):  # type: ignore[misc,valid-type]
     """A torch Dataset over a committed run at ``uri`` (``{output.uri}/{runId}``, local or s3://).
 
     ``output`` supplies endpoint, region and path style for S3 (credentials come from the AWS
-    chain). ``require_manifest=False`` also reads runs that are still in progress.
+    chain). ``require_manifest=False`` also reads runs that are still in progress (the shards
+    committed when it is made). ``follow=True`` makes instead a ``follow.FollowedRun``: an
+    IterableDataset that yields shards as they are committed and ends with the manifest (its
+    keyword arguments, e.g. ``poll_seconds``, ``rank``/``world_size``, pass through).
     """
+
+    def __new__(cls, uri: str, *args: Any, follow: bool = False, **kwargs: Any) -> Any:
+        if follow:
+            from hsx_extractor.follow import FollowedRun
+
+            if len(args) > 1:  # the map-style positions after ``output`` mean other things there
+                raise TypeError("HiddenStatesDataset(uri, output, follow=True) takes its other arguments by keyword")
+            return FollowedRun(uri, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -206,6 +218,7 @@ class HiddenStatesDataset(_Base):  # type: ignore[misc,valid-type]
         verify_checksums: bool = True,
         require_manifest: bool = True,
         capture: Capture | None = None,
+        follow: bool = False,
     ):
         self.reader = OutputReader(uri, output, require_manifest, capture)
         self.verify_checksums = verify_checksums
