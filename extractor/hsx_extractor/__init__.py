@@ -18,8 +18,8 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "HiddenStatesDataset": "hsx_extractor.reader",
-    "FollowedRun": "hsx_extractor.follow",
-    "RunStalled": "hsx_extractor.follow",
+    "FollowedRun": "hsx_extractor.reader",
+    "RunStalled": "hsx_extractor.reader",
     "OutputReader": "hsx_extractor.reader",
     "ExtractConfig": "hsx_extractor.config",
     "Capture": "hsx_extractor.storage.manifest",
@@ -36,8 +36,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from hsx_extractor.config import ExtractConfig
-    from hsx_extractor.follow import FollowedRun, RunStalled
-    from hsx_extractor.reader import HiddenStatesDataset, OutputReader
+    from hsx_extractor.reader import FollowedRun, HiddenStatesDataset, OutputReader, RunStalled
     from hsx_extractor.storage.manifest import Capture
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,3 +253,54 @@ def model_fingerprint(model_dir: str | Path | None) -> dict[str, str] | None:
         "configJson": hashlib.sha256((root / "config.json").read_bytes()).hexdigest()[:16],
         "weights": weights.hexdigest()[:16],
     }
+
+
+# The final norm's weight, under the names Llama-family and multimodal checkpoints give it.
+NORM_WEIGHT_KEYS = ("model.norm.weight", "model.language_model.norm.weight")
+
+
+def final_norm_weight_file(model_dir: Path) -> tuple[Path, str]:
+    """The safetensors file holding the final norm weight, and its key ("" when the file is the only one)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        for key in NORM_WEIGHT_KEYS:
+            if key in weight_map:
+                return model_dir / weight_map[key], key
+        raise ModelConfigError(f"{index} maps none of {list(NORM_WEIGHT_KEYS)}")
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise ModelConfigError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
+    return single, ""
+
+
+def final_norm_digest(model_dir: str | Path | None) -> str | None:
+    """``sha256:`` of the final norm weight's stored bytes, read from the safetensors header without
+    torch (the extractor image has none); None when the directory has no such weight. A run records
+    it so that ``hsx export --model`` applies only the norm that belongs to its states."""
+    if not model_dir:
+        return None
+    try:
+        path, key = final_norm_weight_file(Path(model_dir))
+        with path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > 100 << 20:
+                return None
+            header = json.loads(f.read(length))
+            keys = [key] if key else [k for k in NORM_WEIGHT_KEYS if k in header]
+            entry = header.get(keys[0]) if keys else None
+            if not isinstance(entry, dict):
+                return None
+            begin, end = (int(x) for x in entry["data_offsets"])
+            if not 0 <= begin <= end or end - begin > 1 << 24:
+                return None
+            f.seek(8 + length + begin)
+            data = f.read(end - begin)
+    except (ModelConfigError, OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return f"sha256:{hashlib.sha256(data).hexdigest()[:32]}"
+
+
+def model_identity(model_dir: str | Path | None) -> dict[str, Any]:
+    """What a run's manifest records to tell its model from another (docs/format.md, ``run``)."""
+    return {"modelFingerprint": model_fingerprint(model_dir), "finalNormDigest": final_norm_digest(model_dir)}

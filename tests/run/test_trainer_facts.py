@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 
 from hsx_extractor import __version__
 from hsx_extractor.contract import EXIT_OK, EXIT_PERMANENT
+from hsx_extractor.model import model_fingerprint
 from hsx_extractor.reader import OutputReader
 from hsx_extractor.run.tokens import ChatTokenizer
 from hsx_extractor.storage.commit_record import ShardCommit
@@ -89,6 +90,12 @@ def test_manifest_says_what_the_data_is_and_counts_match_the_dataset(
         "bytes": dataset.stat().st_size,
     }
     assert manifest["run"]["vocabSize"] == tokenizer.vocab_size
+    # What `hsx export --model` checks a model's norm against (the weight's own bytes).
+    from safetensors.numpy import load_file
+
+    norm = load_file(str(ref_server.model / "model.safetensors"))["model.norm.weight"]
+    assert manifest["run"]["finalNormDigest"] == "sha256:" + hashlib.sha256(norm.tobytes()).hexdigest()[:32]
+    assert manifest["run"]["modelFingerprint"] == model_fingerprint(ref_server.model)
     # One place per fact: nothing the sections hold is repeated in `run`.
     assert not {"captureLayers", "tokenizerFingerprint", "dataset", "hsxVersion"} & set(manifest["run"])
 

@@ -109,7 +109,7 @@ def prenorm_run(norm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hsx_extractor.model import default_capture_layers
+    from hsx_extractor.model import default_capture_layers, final_norm_digest
 
     model = AutoModelForCausalLM.from_pretrained(str(norm_model), dtype=torch.bfloat16).eval()
     layers = default_capture_layers(model.config.num_hidden_layers)
@@ -134,5 +134,6 @@ def prenorm_run(norm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> d
                                      bits(aux), bits(seen[-1][0])))  # fmt: skip
         builder.seal()
     capture = {**CAPTURE, "engine": "transformers-forward", "layerIds": layers, "finalState": "pre-norm"}
-    store.finalize(planned_shards(plan), {"run": {"model": str(norm_model)}, "capture": capture})
+    run = {"model": str(norm_model), "finalNormDigest": final_norm_digest(norm_model)}
+    store.finalize(planned_shards(plan), {"run": run, "capture": capture})
     return {"uri": str(root / "pre"), "post_norm": post_norm, "model": norm_model}

@@ -128,3 +128,68 @@ def test_final_norm_refuses_what_it_cannot_apply_exactly(norm_model: Path, tmp_p
     (gemma / "config.json").write_text(json.dumps({**config, "model_type": "gemma2"}))
     with pytest.raises(FinalNormError, match="plain RMSNorm"):
         load_final_norm(gemma, config["hidden_size"])
+
+
+def other_norm_model(model: Path, tmp_path: Path) -> Path:
+    """A copy of ``model`` whose final-norm weight differs (as a base model's does from its instruct variant's)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    other = tmp_path / "other-model"
+    shutil.copytree(model, other)
+    weights = load_file(str(other / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 2
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    return other
+
+
+def test_the_norm_of_another_model_is_refused_unless_overridden(
+    prenorm_run: dict[str, Any], tmp_path: Path, capsys: Any
+) -> None:
+    other = other_norm_model(prenorm_run["model"], tmp_path)
+    dest = tmp_path / "mo"
+    assert hsx(["export", "--to", "modelopt", prenorm_run["uri"], str(dest), "--model", str(other)]) != 0
+    err = capsys.readouterr().err
+    assert "is not the model this run was captured with: its final norm weight differ" in err, err
+    assert not dest.exists() or not any(dest.iterdir())
+    record = export(prenorm_run["uri"], "modelopt", tmp_path / "forced", model_dir=str(other), any_model=True)
+    assert record["finalNormModel"] == "different final norm weight (--any-model)"
+    same = export(prenorm_run["uri"], "modelopt", tmp_path / "same", model_dir=str(prenorm_run["model"]))
+    assert same["finalNormModel"] == "same norm"
+
+
+def test_a_run_without_a_norm_digest_falls_back_to_the_model_fingerprint(
+    prenorm_run: dict[str, Any], tmp_path: Path
+) -> None:
+    from hsx_extractor.model import model_fingerprint
+
+    uri, manifest = relabelled(prenorm_run, tmp_path, {**CAPTURE, "finalState": "pre-norm"})
+    body = json.loads(manifest.read_text())
+    body["run"] = {"model": "elsewhere"}  # a run from before the digest: nothing recorded
+    manifest.write_text(json.dumps(body))
+    model = str(prenorm_run["model"])
+    with pytest.raises(ExportError, match="records neither its final norm nor its model"):
+        export(uri, "specforge", tmp_path / "a", model_dir=model)
+    body["run"]["modelFingerprint"] = model_fingerprint(model)
+    manifest.write_text(json.dumps(body))
+    assert export(uri, "specforge", tmp_path / "b", model_dir=model)["finalNormModel"] == "same model"
+    body["run"]["modelFingerprint"] = {**body["run"]["modelFingerprint"], "configJson": "0" * 16}
+    manifest.write_text(json.dumps(body))
+    with pytest.raises(ExportError, match=r"its config\.json and weight index differ"):
+        export(uri, "specforge", tmp_path / "c", model_dir=model)
+
+
+def test_the_norm_digest_is_the_weights_own_bytes(prenorm_run: dict[str, Any], tmp_path: Path) -> None:
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    from hsx_extractor.model import final_norm_digest
+
+    model = prenorm_run["model"]
+    weight = load_file(str(model / "model.safetensors"))["model.norm.weight"]
+    want = "sha256:" + hashlib.sha256(weight.contiguous().view(torch.int16).numpy().tobytes()).hexdigest()[:32]
+    assert final_norm_digest(model) == want
+    assert final_norm_digest(other_norm_model(model, tmp_path)) != want
+    assert final_norm_digest(tmp_path) is None and final_norm_digest(None) is None

@@ -27,6 +27,7 @@ from hsx_extractor.model import (
     ModelShape,
     check_vocab,
     model_fingerprint,
+    model_identity,
     model_shape,
 )
 from hsx_extractor.protocol import RunKey
@@ -121,9 +122,8 @@ class Extraction:
     def __init__(self, cfg: ExtractConfig, progress: Progress | None = None) -> None:
         self.cfg = replica_from_env(cfg)
         self.progress = progress or Progress(self.cfg.runId, self.cfg.replicaIndex)
-        self.gate = MismatchGate(
-            cfg.validation.maxMismatchRate, cfg.validation.gateWindow, cfg.validation.gateMinSamples
-        )
+        v = cfg.validation
+        self.gate = MismatchGate(v.maxMismatchRate, v.gateWindow, v.gateMinSamples)
         # A fresh key per process: a restarted extractor never reuses a rid the server has seen.
         self.run_key = RunKey(cfg.runId, self.cfg.replicaIndex, os.urandom(3).hex())
         self.encode_threads = ThreadPoolExecutor(max_workers=encode_workers(), thread_name_prefix="hsx-encode")
@@ -340,6 +340,7 @@ class Extraction:
         return {
             "run": {
                 "model": shape.model_path,
+                **model_identity(cfg.modelPath),  # modelFingerprint, finalNormDigest
                 "architecture": shape.architecture,
                 "hiddenSize": shape.hidden_size,
                 "vocabSize": shape.vocab_size,

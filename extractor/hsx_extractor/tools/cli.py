@@ -250,6 +250,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             args.to,
             args.dest,
             model_dir=args.model,
+            any_model=args.any_model,
             log=log,
         )
     except (ExportError, StoreError, ValueError) as exc:
@@ -381,6 +382,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, choices=TRAINERS, help="the trainer whose layout to write")
     p.add_argument(
         "--model", default=None, help="target model directory: its final RMSNorm turns pre-norm states post-norm"
+    )
+    p.add_argument(
+        "--any-model",
+        action="store_true",
+        help="apply --model's norm even when its fingerprint is not the run's (the same model saved another way)",
     )
     p.set_defaults(func=cmd_export)
 

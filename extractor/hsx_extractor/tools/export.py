@@ -231,12 +231,48 @@ def plan_conversion(trainer: str, have: str, model_dir: str | None, hidden_size:
         raise ExportError(f"cannot apply the final norm from {model_dir}: {exc}") from exc
 
 
+def check_norm_model(
+    manifest: dict[str, Any] | None, plan: dict[str, Any] | None, model_dir: str, any_model: bool
+) -> str:
+    """``"same norm"`` or ``"same model"`` when ``model_dir``'s final norm is the one of the model the run
+    was captured with (the manifest's ``run.finalNormDigest``; for a run without it, the model
+    fingerprint of its manifest or plan); otherwise ExportError, or with ``any_model`` a note of it."""
+    from hsx_extractor.model import final_norm_digest, model_fingerprint
+
+    run = (manifest or {}).get("run") or {}
+    recorded_norm = run.get("finalNormDigest")
+    recorded_model = run.get("modelFingerprint") or ((plan or {}).get("identity") or {}).get("model")
+    if recorded_norm:
+        mine, what = final_norm_digest(model_dir), "final norm weight"
+        recorded, same = recorded_norm, "same norm"
+    elif recorded_model:
+        mine, what = model_fingerprint(model_dir), "config.json and weight index"
+        recorded, same = recorded_model, "same model"
+    elif any_model:
+        return "unchecked: the run records neither its final norm nor its model (--any-model)"
+    else:
+        raise ExportError(
+            f"the run records neither its final norm nor its model, so nothing shows that {model_dir}'s norm "
+            "belongs to these states; pass --any-model to apply it anyway"
+        )
+    if mine == recorded:
+        return same
+    if any_model:
+        return f"different {what} (--any-model)"
+    raise ExportError(
+        f"--model {model_dir} is not the model this run was captured with: its {what} differ (run {recorded}, "
+        f"{model_dir} {mine}). Another model's norm (a base model's for its instruct variant) gives wrong states "
+        "without any error; pass --any-model only if you know the norms are the same"
+    )
+
+
 def export(
     uri: str,
     trainer: str,
     dest: str | Path,
     *,
     model_dir: str | None = None,
+    any_model: bool = False,
     capture: Capture | None = None,
     output: OutputSpec | None = None,
     verify_checksums: bool = True,
@@ -261,6 +297,11 @@ def export(
     if aux_width % hidden:
         raise ExportError(f"aux width {aux_width} is not a multiple of the hidden size {hidden}")
     norm = plan_conversion(trainer, have, model_dir, hidden)
+    model_check = None
+    if norm is not None and model_dir is not None:
+        from hsx_extractor.run.plan import PLAN_NAME
+
+        model_check = check_norm_model(reader.manifest, reader.named_json(PLAN_NAME), model_dir, any_model)
     _check_dest(root)
     writer = WRITERS[trainer](root, hidden, aux_width // hidden)
     for position in range(len(reader)):
@@ -293,6 +334,7 @@ def export(
         "sourceFinalState": have,
         "finalState": WRITERS[trainer].wants,  # type: ignore[attr-defined]
         "finalNormApplied": norm.source if norm is not None else None,
+        "finalNormModel": model_check,
         **extra,
     }
     (root / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")

@@ -11,17 +11,21 @@ by the weight. Norms of another form (Gemma's ``(1 + w)``) are refused by model 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hsx_extractor.model import read_model_config, text_config
+from hsx_extractor.model import (
+    NORM_WEIGHT_KEYS,
+    ModelConfigError,
+    final_norm_weight_file,
+    read_model_config,
+    text_config,
+)
 
 if TYPE_CHECKING:
     import torch
 
-NORM_WEIGHT_KEYS = ("model.norm.weight", "model.language_model.norm.weight")
 # Model types whose final norm is not ``w * x / rms(x)`` (Gemma scales by ``1 + w``).
 OTHER_NORM_FORMS = ("gemma",)
 
@@ -44,20 +48,6 @@ class FinalNorm:
         return (self.weight.to(states.dtype) * normed.to(states.dtype)).to(states.dtype)
 
 
-def _weight_file(model_dir: Path) -> tuple[Path, str]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        for key in NORM_WEIGHT_KEYS:
-            if key in weight_map:
-                return model_dir / weight_map[key], key
-        raise FinalNormError(f"{index} maps none of {list(NORM_WEIGHT_KEYS)}")
-    single = model_dir / "model.safetensors"
-    if not single.is_file():
-        raise FinalNormError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
-    return single, ""
-
-
 def load_final_norm(model_dir: str | Path, hidden_size: int) -> FinalNorm:
     """The final norm of the model in ``model_dir`` (config.json + safetensors weights)."""
     from safetensors import safe_open
@@ -70,7 +60,10 @@ def load_final_norm(model_dir: str | Path, hidden_size: int) -> FinalNorm:
     eps = config.get("rms_norm_eps")
     if not isinstance(eps, (int, float)) or isinstance(eps, bool):
         raise FinalNormError(f"{root}/config.json has no rms_norm_eps")
-    path, key = _weight_file(root)
+    try:
+        path, key = final_norm_weight_file(root)
+    except ModelConfigError as exc:
+        raise FinalNormError(str(exc)) from None
     with safe_open(str(path), framework="pt") as f:
         keys = [key] if key else [k for k in NORM_WEIGHT_KEYS if k in set(f.keys())]
         if not keys:
