@@ -251,9 +251,11 @@ def cmd_export(args: argparse.Namespace) -> int:
             args.dest,
             model_dir=args.model,
             any_model=args.any_model,
+            target_model=args.target_model,
+            vocab=args.vocab,
             log=log,
         )
-    except (ExportError, StoreError, ValueError) as exc:
+    except (ExportError, StoreError, ValueError, OSError) as exc:
         print(f"hsx export: refused: {user_message(exc)}", file=sys.stderr, flush=True)
         return EXIT_PERMANENT
     applied = record["finalNormApplied"]
@@ -262,6 +264,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"(final state {record['finalState']}" + (f", final norm applied from {applied})" if applied else ")"),
         flush=True,
     )
+    launch = record.get("launch")
+    if launch:
+        for note in launch["notes"]:
+            print(f"hsx export: note: {note}", flush=True)
+        print(f"hsx export: train with: {launch['command']}", flush=True)
     return EXIT_OK
 
 
@@ -388,6 +395,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="apply --model's norm even when its fingerprint is not the run's (the same model saved another way)",
     )
+    p.add_argument(
+        "--target-model",
+        default=None,
+        help="the target model's path as the trainer sees it, for the launch file (default: --model, else the run's)",
+    )
+    p.add_argument("--vocab", default=None, help="an `hsx vocab` folder: the draft vocabulary the launch file names")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("fingerprint", help="print a tokenizer's fingerprint")

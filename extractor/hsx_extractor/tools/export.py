@@ -242,6 +242,7 @@ def check_norm_model(
     run = (manifest or {}).get("run") or {}
     recorded_norm = run.get("finalNormDigest")
     recorded_model = run.get("modelFingerprint") or ((plan or {}).get("identity") or {}).get("model")
+    mine: object
     if recorded_norm:
         mine, what = final_norm_digest(model_dir), "final norm weight"
         recorded, same = recorded_norm, "same norm"
@@ -273,6 +274,8 @@ def export(
     *,
     model_dir: str | None = None,
     any_model: bool = False,
+    target_model: str | None = None,
+    vocab: str | None = None,
     capture: Capture | None = None,
     output: OutputSpec | None = None,
     verify_checksums: bool = True,
@@ -302,6 +305,11 @@ def export(
         from hsx_extractor.run.plan import PLAN_NAME
 
         model_check = check_norm_model(reader.manifest, reader.named_json(PLAN_NAME), model_dir, any_model)
+    from hsx_extractor.tools import trainer_launch
+
+    vocab_dir = Path(vocab) if vocab else None
+    if vocab_dir is not None:
+        trainer_launch.draft_vocab_size(vocab_dir)  # refused before any data is written
     _check_dest(root)
     writer = WRITERS[trainer](root, hidden, aux_width // hidden)
     for position in range(len(reader)):
@@ -337,5 +345,13 @@ def export(
         "finalNormModel": model_check,
         **extra,
     }
+    run = (reader.manifest or {}).get("run") or {}
+    target = target_model or model_dir or run.get("model")
+    placed = trainer_launch.place_vocab(trainer, vocab_dir, root) if vocab_dir is not None else []
+    if target:
+        how = trainer_launch.launch(trainer, record, root, str(target), run.get("maxLength"), vocab_dir)
+        for name, text in how.files.items():
+            (root / name).write_text(text)
+        record["launch"] = {"files": sorted(how.files), "command": how.command, "notes": list(how.notes), "vocab": placed}
     (root / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return record
