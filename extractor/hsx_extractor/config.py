@@ -183,6 +183,14 @@ class OutputSpec(_Spec):
         "uploadConcurrency parts (of at least 5 MiB), so one shard alone keeps every connection busy.",
     )
     uploadConcurrency: int = Field(16, ge=1, le=256, description="Parts uploaded in parallel per pod.")
+    maxOpenShards: int = Field(
+        6,
+        ge=2,
+        le=64,
+        description="Shards a pod holds on its scratch disk at once, being filled or waiting to upload: "
+        "reading waits while this many are open, so a slow store never fills /scratch. The pod's /scratch "
+        "sizeLimit is maxOpenShards x shardTargetBytes plus 1 GiB.",
+    )
 
     _uri = field_validator("uri")(check_uri)
     _endpoint = field_validator("endpoint")(check_endpoint)

@@ -237,7 +237,7 @@ def _volumes(
     volumes: list[dict[str, Any]] = [
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.server.shmSize}},
         {"name": "config", "configMap": {"name": config_map_name(owner.name, spec.runId)}},
-        {"name": "scratch", "emptyDir": {}},
+        {"name": "scratch", "emptyDir": {"sizeLimit": str(scratch_size_limit(spec))}},
     ]
     server_mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": SHM_DIR}]
     extractor_mounts: list[dict[str, Any]] = [
@@ -302,8 +302,26 @@ def _credentials_env(spec: ExtractionJobSpec) -> list[dict[str, Any]]:
     ]
 
 
-def _resources(requests: dict[str, str], limits: dict[str, str]) -> dict[str, Any]:
+# What the extractor asks the scheduler (and Kueue's quota) for when the spec names neither a request
+# nor a limit of that resource: the guide's sizing for ~1 GB/s of hidden states (1.6-2 cores per GB/s)
+# and its encode buffers, tokenizer and in-flight dumps' metadata.
+EXTRACTOR_DEFAULT_REQUESTS = {"cpu": "2", "memory": "4Gi"}
+# Room on /scratch beside the open shards' spool files (tokenizer caches, the interpreter's temp files).
+SCRATCH_SLACK_BYTES = 1 << 30
+
+
+def scratch_size_limit(spec: ExtractionJobSpec) -> int:
+    """Bytes the extractor's /scratch may hold: at most output.maxOpenShards spool files, each about a
+    shard (the engine waits for a seal before opening more), plus slack; past it the kubelet evicts
+    this pod for its own overuse, not a neighbour's."""
+    return spec.output.maxOpenShards * spec.output.shardTargetBytes + SCRATCH_SLACK_BYTES
+
+
+def _resources(
+    requests: dict[str, str], limits: dict[str, str], defaults: dict[str, str] | None = None
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    requests = {**{k: v for k, v in (defaults or {}).items() if k not in limits}, **requests}
     if requests:
         out["requests"] = dict(requests)
     if limits:
@@ -342,7 +360,9 @@ def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None =
         "command": ["hsx", "extract", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
         "env": [{"name": "TMPDIR", "value": SCRATCH_DIR}, *_credentials_env(spec)],
         "ports": [{"name": "progress", "containerPort": spec.extractor.progressPort}],
-        "resources": _resources(spec.extractor.resources.requests, spec.extractor.resources.limits),
+        "resources": _resources(
+            spec.extractor.resources.requests, spec.extractor.resources.limits, EXTRACTOR_DEFAULT_REQUESTS
+        ),
         "volumeMounts": extractor_mounts,
         # The extractor writes its final progress here; the operator reads it after the pod ends.
         "terminationMessagePolicy": "File",

@@ -63,8 +63,11 @@ def test_sigkill_at_random_points_loses_and_duplicates_nothing(
     rng.shuffle(kinds)
     rows: list[Any] = [*chat_rows(ROWS, words=30), "{not json", {"id": "empty", "messages": []}]
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    # 300 ms a request: an attempt's work outlasts the polls that find it running even on a loaded
+    # machine (make test runs this beside the control-plane tests; at 150 ms one attempt once finished
+    # its last ~50 samples before any poll answered).
     server = RefServerProcess(fault_model, tmp_path / "dumps", free_port(), tmp_path / "server.log",
-                              "--delay-ms", "150")
+                              "--delay-ms", "300")
     server.start()
     progress_port = free_port()
     output = {"uri": f"s3://{s3_bucket}/r1", "endpoint": s3_env.endpoint, "pathStyle": True,

@@ -10,6 +10,7 @@ from hsx_extractor.config import ExtractConfig
 from hsx_extractor.contract import EXIT_PERMANENT
 from hsx_operator.desired import (
     DUMP_DIR,
+    EXTRACTOR_DEFAULT_REQUESTS,
     LABEL_QUEUE,
     MAX_NAME,
     Owner,
@@ -330,3 +331,22 @@ def test_pod_labels_and_annotations_under_hsxs_prefixes_are_refused() -> None:
     for field in ("labels", "annotations"):
         with pytest.raises(ValidationError, match=f"pod.{field} must not use hsx's own prefixes"):
             make_spec(pod={field: {"hsx.dev/run-id": "x"}})
+
+
+def test_the_extractor_requests_real_numbers_and_its_scratch_has_a_ceiling() -> None:
+    pod = _pod(desired_job(OWNER, make_spec()))
+    (extractor,) = pod["containers"]
+    assert extractor["resources"]["requests"] == EXTRACTOR_DEFAULT_REQUESTS  # Kueue and the scheduler see them
+    scratch = next(v for v in pod["volumes"] if v["name"] == "scratch")
+    # Default 6 open shards of 1 GiB, plus 1 GiB: the engine never holds more spool files than that.
+    assert scratch["emptyDir"] == {"sizeLimit": str(7 << 30)}
+    spec = make_spec(
+        output={"uri": "s3://b/p", "shardTargetBytes": 256 << 20, "maxOpenShards": 3},
+        extractor={"resources": {"requests": {"memory": "16Gi"}, "limits": {"cpu": "8"}}},
+    )
+    pod = _pod(desired_job(OWNER, spec))
+    (extractor,) = pod["containers"]
+    # What the user names wins; a limit alone keeps Kubernetes' own default (request = limit).
+    assert extractor["resources"] == {"requests": {"memory": "16Gi"}, "limits": {"cpu": "8"}}
+    scratch = next(v for v in pod["volumes"] if v["name"] == "scratch")
+    assert scratch["emptyDir"]["sizeLimit"] == str(3 * (256 << 20) + (1 << 30))

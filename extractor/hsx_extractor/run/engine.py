@@ -155,6 +155,10 @@ class ShardWorker:
         self._reserved: dict[str, int] = {}
         # Samples between read and shard; twice the requests in flight keeps the server fed.
         self._active = asyncio.Semaphore(2 * self.cfg.concurrency)
+        # Shards held on scratch (opened, not yet committed): reading waits at output.maxOpenShards, so
+        # a slow store holds the pod's disk at that many shards, not at every shard read meanwhile.
+        self._open_shards = asyncio.Semaphore(self.cfg.output.maxOpenShards)
+        self._opened: set[int] = set()  # shards that took a place (cuts may come long before rows)
         # When back-pressure began a stall that was reported (None: not stalled).
         self._stalled_since: float | None = None
         # Opening a shard's builder, counting its rows and cutting it, for adds on several threads.
@@ -205,6 +209,9 @@ class ShardWorker:
                     if isinstance(event, ShardResumed):
                         (self.ctx.resumed or self.progress.shard_resumed)(event.commit, event.rows)
                         continue
+                    if not isinstance(event, ShardCut) and event.shard not in self._opened:
+                        await self._open_shards.acquire()  # a shard's first row: it needs room on scratch
+                        self._opened.add(event.shard)
                     if isinstance(event, ShardCut):
                         if not self._cut(event):
                             continue
@@ -439,6 +446,7 @@ class ShardWorker:
         seal = functools.partial(shard.builder.seal, checks, shard.source)
         began = time.monotonic()
         commit = await asyncio.get_running_loop().run_in_executor(self.ctx.seal_threads, seal)
+        self._open_shards.release()
         self.commits.append(commit)
         self.progress.shard_committed(commit.bytes_stored, time.monotonic() - began)
 
