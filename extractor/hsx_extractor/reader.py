@@ -24,6 +24,7 @@ import the rest of hsx_extractor.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import os
 import threading
 import time
@@ -96,7 +97,11 @@ class OutputReader:
             self._shards.append(k)
             self._starts.append(total)
             self._indices.append(commit.sample_indices)
-            self._commits[k] = commit
+            # Only what reading checks: token counts, quarantine entries and statistics are the
+            # manifest's business, and each DataLoader worker gets a pickled copy of this reader.
+            self._commits[k] = dataclasses.replace(
+                commit, quarantine=(), token_counts=None, layer_norms=None, consistency=None, source=None
+            )
             total += commit.samples
         self._len = total
         self._headers: dict[int, ShardHeader] = {}
@@ -168,10 +173,14 @@ class OutputReader:
         )
 
     def __getstate__(self) -> dict[str, Any]:
+        # A DataLoader worker's copy: no store, no cached headers, and the manifest without its
+        # per-shard list, quarantine and token counts (megabytes in a long run, unused by reads).
         state = dict(self.__dict__)
         for name in ("_store_obj", "_pid", "_lock"):
             state.pop(name, None)
         state["_headers"] = {}
+        if self.manifest is not None:
+            state["manifest"] = {k: v for k, v in self.manifest.items() if k not in ("shards", "quarantine", "tokenCounts")}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

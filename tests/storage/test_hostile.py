@@ -438,3 +438,27 @@ def test_an_oversized_commit_record_on_s3_is_refused_from_its_length(
     s3_env.client().put_object(Bucket=s3_bucket, Key=store.layout.commit_key(0), Body=b" " * 5000)
     with pytest.raises(PermanentStoreError, match=r"is damaged: object .*shard-000000.* is 5000 bytes, more than the 4096"):
         store.get_commit(0)
+
+
+def test_a_reader_keeps_only_what_reading_checks(tmp_path: Path) -> None:
+    """Each DataLoader worker gets a pickled copy of the reader: per shard it must carry the sample
+    list and the object's facts, not the commit record's token counts and quarantine (nor the
+    manifest's copies of them), which made ~0.57 MB a shard before."""
+    import pickle
+
+    from tests.storage.samples import CAPTURE, plan_for, write_run
+
+    def pickled(shards: int) -> tuple[int, int]:
+        store = open_store(OutputSpec.model_validate({"uri": str(tmp_path / f"out{shards}")}), "r", writing=True)
+        plan = plan_for(4 * shards, 4)
+        commits = write_run(store, plan, quarantine=frozenset({1}))
+        store.finalize([(s["index"], s["start"], s["stop"]) for s in plan["shards"]], {"capture": CAPTURE})
+        reader = OutputReader(str(tmp_path / f"out{shards}" / "r"))
+        assert len(reader) == 4 * shards - 1 and reader.read(len(reader) - 1).index == 4 * shards - 1
+        return len(pickle.dumps(reader)), len(pickle.dumps(commits))
+
+    (reader_10, commits_10), (reader_40, commits_40) = pickled(10), pickled(40)
+    per_shard, per_record = (reader_40 - reader_10) / 30, (commits_40 - commits_10) / 30
+    print(f"pickled bytes per shard: reader {per_shard:.0f}, commit records {per_record:.0f}")
+    assert per_shard < 300, per_shard  # indices, key, checksum, sizes
+    assert per_record > 3 * per_shard  # what a copy of the records (their counts) would have cost
