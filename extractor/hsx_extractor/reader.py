@@ -219,7 +219,8 @@ class HiddenStatesDataset(_Base):  # type: ignore[misc,valid-type]
     keyword arguments, e.g. ``poll_seconds``, ``rank``/``world_size``, pass through).
     """
 
-    def __new__(cls, uri: str, *args: Any, follow: bool = False, **kwargs: Any) -> Any:
+    def __new__(cls, uri: str = "", *args: Any, follow: bool = False, **kwargs: Any) -> Any:
+        # uri has a default: unpickling (a DataLoader worker's copy) calls __new__ without arguments.
         if follow:
             if len(args) > 1:  # the map-style positions after ``output`` mean other things there
                 raise TypeError("HiddenStatesDataset(uri, output, follow=True) takes its other arguments by keyword")

@@ -181,3 +181,58 @@ def test_a_dataset_that_lost_rows_under_committed_shards_refuses_to_resume(
     error = progress.last_error or ""
     assert f"shards [{last['index'] - 1}, {last['index']}] were committed" in error and "lost rows" in error, error
     assert not (run_dir / "plan.json").exists()
+
+
+def test_an_edit_that_keeps_size_and_mtime_is_caught_while_extracting(tmp_path: Path, ref_server: RefServer) -> None:
+    """The resume check trusts an unchanged stat; the rows the extraction then reads are hashed against
+    the plan's digests (issue 32, item 6), so an edit that kept size and mtime still stops the run."""
+    cfg, dataset, run_dir = _started(tmp_path, ref_server)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    last = plan["shards"][-1]
+    _unfinish(run_dir, len(plan["shards"]) - 1)
+    st = dataset.stat()
+    lines = dataset.read_text().splitlines()
+    row = last["start"]
+    edited = lines[row].replace("alpha", "ALPHA") if "alpha" in lines[row] else lines[row].replace("beta", "BETA")
+    assert edited != lines[row] and len(edited) == len(lines[row])
+    lines[row] = edited
+    dataset.write_text("\n".join(lines) + "\n")
+    os.utime(dataset, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (dataset.stat().st_size, dataset.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    code, progress = _run(cfg)
+    assert code == EXIT_PERMANENT, progress.last_error
+    error = progress.last_error or ""
+    assert f"shard {len(plan['shards']) - 1} (samples {last['start']}-{last['stop'] - 1}" in error, error
+    assert "is not what the plan was made from" in error
+    assert not (run_dir / "manifest.json").exists()
+
+
+def test_the_row_witness_checks_each_shard_once_its_last_line_is_read() -> None:
+    from dataclasses import dataclass
+
+    import pytest
+
+    from hsx_extractor.run.plan import DatasetChanged, RowWitness, ShardCut, shard_digests
+
+    @dataclass
+    class Line:
+        line: int
+        data: bytes
+
+    rows = [Line(n, f"row {n}".encode()) for n in range(1, 7)]
+    digests = {r.line: row_digest(r.data) for r in rows}
+    cuts = [ShardCut(k, 3 * k, 3 * k + 3, (3 * k + 1, 3 * k + 3), shard_digests([(3 * k + 1, 3 * k + 3)], digests)[0])
+            for k in range(2)]  # fmt: skip
+    witness = RowWitness()
+    for cut in cuts:
+        witness.expect(cut)
+    assert [r.line for r in witness.rows(rows)] == list(range(1, 7))
+    changed = [*rows[:4], Line(5, b"other"), rows[5]]
+    witness = RowWitness()
+    read: list[int] = []
+    with pytest.raises(DatasetChanged, match="shard 1 "):
+        for cut in cuts:
+            witness.expect(cut)
+        for r in witness.rows(changed):
+            read.append(r.line)
+    assert read == [1, 2, 3, 4, 5]  # shard 0 passed; shard 1 refused when its last line was read

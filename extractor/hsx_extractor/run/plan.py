@@ -235,6 +235,53 @@ def shard_digests(shard_lines: Sequence[tuple[int, int]], line_digests: Mapping[
     return out
 
 
+class DatasetChanged(ValueError):
+    """The rows the extraction read for a shard are not the rows the plan was made from."""
+
+
+class RowWitness:
+    """Checks, as the extraction reads the dataset, that each planned shard's rows hash to the digest
+    the plan recorded for them (the planning pass read the file separately, maybe long before): an
+    edit under a running or resumed run stops it with :class:`DatasetChanged` instead of pairing a
+    plan's shard with other rows. A shard is checked once the row on its last line is read; line
+    digests are kept only until the shard holding them is checked."""
+
+    def __init__(self) -> None:
+        self._digests: dict[int, int] = {}  # line -> row digest, lines not yet checked
+        self._pending: list[ShardCut] = []  # cuts with digests, by last line
+        self._seen_line = -1
+
+    def expect(self, cut: ShardCut) -> None:
+        if cut.lines is None or cut.digest is None:
+            return
+        self._pending.append(cut)
+        self._pending.sort(key=lambda c: c.lines[1] if c.lines else 0)
+        self._check_ready()
+
+    def rows(self, rows: Iterable[R]) -> Iterator[R]:
+        """``rows`` unchanged, each one's digest recorded as it is read."""
+        for row in rows:
+            self._digests[row.line] = row_digest(row.data)
+            self._seen_line = row.line
+            self._check_ready()
+            yield row
+
+    def _check_ready(self) -> None:
+        while self._pending and self._pending[0].lines is not None and self._pending[0].lines[1] <= self._seen_line:
+            cut = self._pending.pop(0)
+            assert cut.lines is not None
+            first, last = cut.lines
+            (now,) = shard_digests([cut.lines], self._digests)
+            if now != cut.digest:
+                raise DatasetChanged(
+                    f"shard {cut.shard} (samples {cut.start}-{cut.stop - 1}, lines {first}-{last}) is not what the "
+                    "plan was made from: the dataset changed under the run. Restore it, or start a new runId"
+                )
+            # The last line stays: with expandTurns one row's samples can open the next shard too.
+            for line in [n for n in self._digests if n < last]:
+                del self._digests[line]
+
+
 @dataclass(frozen=True)
 class ShardCut:
     """One shard of the plan, known once its last row is read: its rows, and (when line digests are

@@ -11,7 +11,7 @@ from hsx_extractor.reasons import Reason
 from hsx_extractor.run.consistency import Consistency
 from hsx_extractor.run.dataset import Prepared, Rejected, dataset_rows, read_samples
 from hsx_extractor.run.engine import ReaderEvent, ShardResumed, ShardRow
-from hsx_extractor.run.plan import ShardCut, ShardPlan, replica_owns
+from hsx_extractor.run.plan import RowWitness, ShardCut, ShardPlan, replica_owns
 from hsx_extractor.run.planning import PlanAhead, PlanStopped
 from hsx_extractor.run.tokens import ChatTokenizer
 from hsx_extractor.storage.store import Store
@@ -45,7 +45,10 @@ def planned_reader(
     def read(emit: Callable[[ReaderEvent], None]) -> None:
         for cut in cuts:  # every shard's rows are known: the worker may seal one as soon as it is full
             emit(cut)
-        rows = dataset_rows(cfg)
+        witness = RowWitness()  # every planned shard's rows, this replica's or not, are read here anyway
+        for k in range(len(plan.shards)):
+            witness.expect(plan.cut(k))
+        rows = witness.rows(dataset_rows(cfg))
         wanted = shard_of.__contains__
         for item in read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns, wanted):
             if item.index >= plan.rows:
@@ -71,11 +74,13 @@ def planning_reader(
 
     def read(emit: Callable[[ReaderEvent], None]) -> None:
         seen = 0  # cuts handed on
+        witness = RowWitness()  # the rows read here against the planning thread's digests
 
         def hand_cuts() -> None:
             nonlocal seen
             for cut in ahead.cuts(seen):
                 seen += 1
+                witness.expect(cut)
                 if not mine(cut.shard):
                     continue
                 if cut.shard not in committed:
@@ -90,7 +95,7 @@ def planning_reader(
             return placed is not None and mine(placed.shard) and placed.shard not in committed
 
         try:
-            rows = dataset_rows(cfg)
+            rows = witness.rows(dataset_rows(cfg))
             for item in read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns, wanted):
                 placed = ahead.placement(item.index)
                 if placed is None:
