@@ -36,7 +36,7 @@ import numpy as np
 from hsx_extractor.config import OutputSpec
 from hsx_extractor.storage.backends import PermanentStoreError
 from hsx_extractor.storage.commit_record import ShardCommit
-from hsx_extractor.storage.layout import MANIFEST_NAME, split_run_uri
+from hsx_extractor.storage.layout import MANIFEST_NAME
 from hsx_extractor.storage.manifest import Capture, ManifestError
 from hsx_extractor.storage.shard_format import (
     AUX,
@@ -46,7 +46,7 @@ from hsx_extractor.storage.shard_format import (
     ShardFormatError,
     ShardHeader,
 )
-from hsx_extractor.storage.store import Store, open_store
+from hsx_extractor.storage.store import Store, open_store, run_location
 
 if TYPE_CHECKING:
     import torch
@@ -70,12 +70,7 @@ class OutputReader:
         capture: Capture | None = None,
     ):
         self.uri = uri
-        output_uri, self.run_id = split_run_uri(uri)
-        self._spec = (
-            output.model_copy(update={"uri": output_uri})
-            if output
-            else OutputSpec.model_validate({"uri": output_uri})
-        )
+        self._spec, self.run_id = run_location(uri, output)
         store = self._open()
         self.manifest = store.get_json(MANIFEST_NAME)
         if require_manifest and self.manifest is None:
@@ -340,10 +335,7 @@ class FollowedRun(_IterableBase):  # type: ignore[misc,valid-type]
         if poll_seconds <= 0:
             raise ValueError(f"poll_seconds must be positive, not {poll_seconds}")
         self.uri = uri
-        output_uri, self.run_id = split_run_uri(uri)
-        self._spec = output.model_copy(update={"uri": output_uri}) if output else OutputSpec.model_validate(
-            {"uri": output_uri}
-        )
+        self._spec, self.run_id = run_location(uri, output)
         self.verify_checksums = verify_checksums
         self.capture = capture
         self.poll_seconds = poll_seconds

@@ -40,7 +40,7 @@ from hsx_extractor.storage.backends import (
 )
 from hsx_extractor.storage.commit_record import MAX_COMMIT_BYTES, QuarantineEntry, ShardCommit
 from hsx_extractor.storage.layer_stats import combine, layer_norms, sample_norm_sums
-from hsx_extractor.storage.layout import MANIFEST_NAME, RunLayout, validate_name
+from hsx_extractor.storage.layout import MANIFEST_NAME, RunLayout, split_run_uri, validate_name
 from hsx_extractor.storage.manifest import build_manifest
 from hsx_extractor.storage.shard_format import (
     COMPRESSION_CODECS,
@@ -479,3 +479,11 @@ def open_store(
         if writing and probe is not None:
             probe(store.layout.root + "/")
     return store
+
+
+def run_location(uri: str, output: OutputSpec | None) -> tuple[OutputSpec, str]:
+    """The output spec of the run at ``uri`` (``{output.uri}/{runId}``; ``output`` gives endpoint,
+    region and path style) and its runId."""
+    output_uri, run_id = split_run_uri(uri)
+    spec = output.model_copy(update={"uri": output_uri}) if output else OutputSpec.model_validate({"uri": output_uri})
+    return spec, run_id

@@ -32,8 +32,8 @@ import numpy as np
 from hsx_extractor.config import OutputSpec, check_local_directory
 from hsx_extractor.contract import EXIT_OK, EXIT_PERMANENT
 from hsx_extractor.storage.backends import StoreError
-from hsx_extractor.storage.layout import MANIFEST_NAME, split_run_uri
-from hsx_extractor.storage.store import open_store
+from hsx_extractor.storage.layout import MANIFEST_NAME
+from hsx_extractor.storage.store import open_store, run_location
 from hsx_extractor.storage.stored_json import ShardFormatError
 from hsx_extractor.storage.token_counts import counts_from_json
 
@@ -72,8 +72,7 @@ def vocab_mapping(
 
 def run_counts(uri: str, output: OutputSpec | None = None) -> tuple[dict[int, int], dict[str, Any]]:
     """The merged token counts and the manifest of the finished run at ``uri``."""
-    output_uri, run_id = split_run_uri(uri)
-    spec = output.model_copy(update={"uri": output_uri}) if output else OutputSpec.model_validate({"uri": output_uri})
+    spec, run_id = run_location(uri, output)
     store = open_store(spec, run_id, writing=False)
     manifest = store.get_json(MANIFEST_NAME)
     if manifest is None:
