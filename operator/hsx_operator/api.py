@@ -280,7 +280,7 @@ class ServerSpec(_Spec):
         ge=10,
         le=86400,
         description="Budget of the server's startup probe on /health (weights loading, CUDA graphs). When it "
-        "runs out the server container is restarted.",
+        "runs out the server is killed and the run fails (ServerExited), as when the server exits before ready.",
     )
     resources: Resources = Field(
         default_factory=Resources,

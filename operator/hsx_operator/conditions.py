@@ -1,7 +1,9 @@
-"""The ExtractionJob's conditions (metav1.Condition) from its phase. Pure functions."""
+"""The ExtractionJob's conditions (metav1.Condition) from its phase, and the times status writes
+(RFC 3339 in, RFC 3339 and human durations out). Pure functions."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Literal
@@ -11,6 +13,29 @@ from hsx_operator.status import Condition, ExtractionJobStatus
 
 def rfc3339(t: datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def human_duration(seconds: float | None) -> str:
+    """``3725`` -> ``1h2m``; ``65`` -> ``1m5s``; None -> ``""``."""
+    if seconds is None or seconds < 0 or math.isnan(seconds) or math.isinf(seconds):
+        return ""
+    s = round(seconds)
+    days, s = divmod(s, 86400)
+    hours, s = divmod(s, 3600)
+    minutes, s = divmod(s, 60)
+    if days:
+        return f"{days}d{hours}h"
+    if hours:
+        return f"{hours}h{minutes}m"
+    if minutes:
+        return f"{minutes}m{s}s"
+    return f"{s}s"
 
 
 def set_condition(

@@ -347,6 +347,8 @@ def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None =
             *({"name": k, "value": v} for k, v in _server_env(spec).items()),
             *(e.model_dump() for e in spec.server.env),
         ],
+        # A server that dies says why in its status (the tail of its log): the operator reports it.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "startupProbe": _startup_probe(spec),
         "readinessProbe": {**health_probe(spec.server.port), "periodSeconds": 10, "timeoutSeconds": 5},
         "resources": server_resources,

@@ -2,13 +2,13 @@
 
 Input: the spec, the previous status, the run's Job, its pods, their events and what each
 extractor's ``/progress`` said (all as plain dicts in Kubernetes' camelCase JSON). Output: the new
-status, the Events worth emitting, and whether the run must be stopped (startup deadline).
+status, the Events worth emitting, and whether the run must be stopped (startup deadline, a server that
+exited before it was ready).
 :func:`observe` picks the situation the run is in; one small function per situation sets the phase.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -16,7 +16,7 @@ from typing import Any
 
 from hsx_extractor.contract import PROGRESS_COUNTERS, PROGRESS_FLAGS, PROGRESS_RATES, ProgressReport
 from hsx_operator.api import ExtractionJobSpec
-from hsx_operator.conditions import conditions_for, rfc3339
+from hsx_operator.conditions import conditions_for, human_duration, parse_time, rfc3339
 from hsx_operator.desired import LABEL_QUEUE, PREFLIGHT_CONTAINER, job_name, manifest_uri, output_prefix
 from hsx_operator.pods import (
     KueueView,
@@ -46,29 +46,6 @@ from hsx_operator.status import (
 HISTORY_LIMIT = 20
 
 
-def parse_time(value: str | None) -> datetime | None:
-    if not value:
-        return None
-    return datetime.fromisoformat(value.replace("Z", "+00:00"))
-
-
-def human_duration(seconds: float | None) -> str:
-    """``3725`` -> ``1h2m``; ``65`` -> ``1m5s``; None -> ``""``."""
-    if seconds is None or seconds < 0 or math.isnan(seconds) or math.isinf(seconds):
-        return ""
-    s = round(seconds)
-    days, s = divmod(s, 86400)
-    hours, s = divmod(s, 3600)
-    minutes, s = divmod(s, 60)
-    if days:
-        return f"{days}d{hours}h"
-    if hours:
-        return f"{hours}h{minutes}m"
-    if minutes:
-        return f"{minutes}m{s}s"
-    return f"{s}s"
-
-
 @dataclass(frozen=True)
 class EventNote:
     """A Kubernetes Event to emit on the ExtractionJob."""
@@ -94,7 +71,7 @@ class Refusal:
 class Outcome:
     status: ExtractionJobStatus
     events: list[EventNote] = field(default_factory=list)
-    # The run overran startupDeadlineSeconds: end its Job now.
+    # The run overran startupDeadlineSeconds, or its server exited before it was ready: end its Job now.
     stop_job: bool = False
 
 
@@ -316,7 +293,12 @@ def _active(
         problems.insert(0, uncreated)
     ready = [p for p in active if server_ready(p)]
     seen.all_ready = bool(active) and len(ready) == len(active)
-    if problems:
+    exited = next((p for p in problems if p[0] == Reason.SERVER_EXITED), None)
+    if exited:  # fail now: the kubelet's restart would load the weights to fail the same way
+        _set(status, Phase.FAILED, *exited)
+        status.completionTime = rfc3339(now)
+        seen.stop = True
+    elif problems:
         seen.stalled = True
         reason, message = problems[0]
         crash_looping = any(pod_scheduled(p) for p in active) and reason == Reason.SERVER_CRASH_LOOPING
@@ -388,7 +370,7 @@ def _with_job(
         return _Seen(stalled=_suspended(status, spec, job, kueue))
     else:
         seen = _active(status, job, pods, events, job_events, now)
-        seen.stop = _past_startup_deadline(status, spec, now)
+        seen.stop = seen.stop or _past_startup_deadline(status, spec, now)
         return seen
     return _Seen()
 

@@ -112,6 +112,9 @@ def pod_problem(pod: Mapping[str, Any], events: Sequence[Mapping[str, Any]]) -> 
             and c.get("reason") == "Unschedulable"
         ):
             return Reason.UNSCHEDULABLE, f"pod {name}: {c.get('message', '')}".strip()
+    exited = server_exit_before_ready(pod)
+    if exited:
+        return Reason.SERVER_EXITED, exited
     server = server_container(pod)
     for container in (PREFLIGHT_CONTAINER, server, EXTRACTOR_CONTAINER):
         cs = container_status(pod, container)
@@ -134,6 +137,35 @@ def pod_problem(pod: Mapping[str, Any], events: Sequence[Mapping[str, Any]]) -> 
             if ev.get("reason") in STUCK_POD_EVENTS:
                 return str(ev["reason"]), f"pod {name}: {ev.get('message', '')}".strip()
     return None
+
+
+# How much of a dead server's log the status carries (the kubelet keeps at most 2048 bytes of it).
+SERVER_LOG_TAIL_CHARS = 2048
+
+
+def server_exit_before_ready(pod: Mapping[str, Any]) -> str | None:
+    """What ended the pod's server before it was ever ready, or None. The extractor starts only once
+    the server's startup probe passed, so a server that exited while the extractor never started
+    never served: its exit code and the tail of its log (terminationMessagePolicy
+    FallbackToLogsOnError) say why, and the kubelet's restart would load the weights again to fail
+    the same way."""
+    extractor = container_status(pod, EXTRACTOR_CONTAINER)
+    if {"running", "terminated"} & set((extractor or {}).get("state") or {}):
+        return None
+    server = server_container(pod)
+    cs = container_status(pod, server) or {}
+    term = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
+    if not term:
+        return None
+    reason = term.get("reason") or ""
+    tail = (term.get("message") or "").strip()[-SERVER_LOG_TAIL_CHARS:]
+    name = pod.get("metadata", {}).get("name", "?")
+    text = f"pod {name}: server container {server} exited with code {term.get('exitCode')}"
+    text += f" ({reason})" if reason else ""
+    text += " before it was ready"
+    if int(term.get("exitCode") or 0) == 137 and reason != "OOMKilled":
+        text += " (killed: its startup probe failed for server.startupTimeoutSeconds, or the node did)"
+    return text + (f"; its log ends:\n{tail}" if tail else "; it left no log")
 
 
 def _any_container_started(pod: Mapping[str, Any]) -> bool:

@@ -37,6 +37,8 @@ class Reason(StrEnum):
     UNSCHEDULABLE = "Unschedulable"
     SERVER_STARTING = "ServerStarting"
     SERVER_CRASH_LOOPING = "ServerCrashLooping"
+    # A server container exited before it was ever ready (a crash, OOM, its startup probe's budget spent).
+    SERVER_EXITED = "ServerExited"
     STARTUP_DEADLINE_EXCEEDED = "StartupDeadlineExceeded"
     EXTRACTING = "Extracting"
     COMPLETED = "Completed"

@@ -9,6 +9,7 @@ tests/install/test_chart_cluster.py.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -105,6 +106,29 @@ def test_permanent_failure_fails_at_once_without_retries(
     assert job is not None and job["status"].get("failed") == 1
     time.sleep(QUIET_SECONDS)
     assert len(ns.pods_of("wrongtok-r1")) == 1 and ns.status("wrongtok")["phase"] == "Failed"
+
+
+def test_a_server_that_dies_before_ready_fails_the_run_at_once_with_its_exit_code_and_log(
+    ns: Namespace, run_env: dict[str, Any], start_operator: Callable[[], OperatorProcess]
+) -> None:
+    start_operator()
+    # Weights the preflight does not read: the tokenizer and config are fine, the server cannot load.
+    broken = run_env["model_root"] / "broken-weights"
+    if not broken.exists():
+        shutil.copytree(run_env["model_root"] / "tiny", broken)
+        (broken / "model.safetensors").write_bytes(b"\0" * 64)
+    manifest = xj_manifest("deadserver", "r1", **run_env, backoffLimit=3)
+    manifest["spec"]["model"]["path"] = "/models/broken-weights"
+    ns.apply(manifest)
+    failed = wait_for(phase(ns, "deadserver", "Failed"), 180, "the run to fail")
+    assert failed["reason"] == "ServerExited", failed
+    assert "exited with code 1 (Error) before it was ready" in failed["message"], failed
+    assert "SafetensorError" in failed["message"], failed  # the tail of the server's own log
+    assert conditions(failed)["Failed"] == "True" and "ServerExited" in ns.event_reasons("deadserver")
+    # Not retried: no second pod loaded the weights, and the stopped Job's pod goes.
+    assert len(ns.pods_of("deadserver-r1")) <= 1
+    wait_for(lambda: not [p for p in ns.pods_of("deadserver-r1") if p["status"].get("phase") in ("Pending", "Running")],
+             120, "the failed run's pod to stop")  # fmt: skip
 
 
 def test_server_killed_mid_run_is_restarted_and_the_run_completes(

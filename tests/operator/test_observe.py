@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from hsx_operator.api import ExtractionJobSpec
-from hsx_operator.conditions import set_condition
-from hsx_operator.observe import Outcome, human_duration, needs_job, observe
+from hsx_operator.conditions import human_duration, set_condition
+from hsx_operator.observe import Outcome, needs_job, observe
 from hsx_operator.status import ExtractionJobStatus
 from tests.operator.helpers import (
     EXTRACTOR_RUNNING,
@@ -93,16 +93,66 @@ def test_image_pull_backoff_is_the_reason() -> None:
     assert cond(st, "Stalled") == "True"
 
 
-def test_server_crash_loop_is_named() -> None:
+def test_a_server_that_served_and_then_crash_loops_is_named() -> None:
+    # The extractor started, so this server was ready once; the extractor's own retries decide then.
     server = {
         "started": False,
         "ready": False,
         "restartCount": 4,
         "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+        "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": "CUDA error"}},
     }
-    st = run(job=job_json(), pods=[pod_json(server=server, extractor=EXTRACTOR_WAITING)]).status
+    out = run(job=job_json(), pods=[pod_json(server=server, extractor=EXTRACTOR_RUNNING)])
+    st = out.status
     assert (st.phase, st.reason) == ("Starting", "ServerCrashLooping")
-    assert "4 times" in st.message
+    assert "4 times" in st.message and not out.stop_job
+
+
+LOG_TAIL = "Traceback (most recent call last):\nsafetensors_rust.SafetensorError: Error while deserializing header"
+
+
+@pytest.mark.parametrize(
+    "server",
+    [
+        # Restarted by the kubelet already: the exit is in lastState.
+        {"started": False, "ready": False, "restartCount": 1, "state": {"running": {}},
+         "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": LOG_TAIL}}},
+        # Seen between the exit and the restart.
+        {"started": False, "ready": False, "restartCount": 0,
+         "state": {"terminated": {"exitCode": 1, "reason": "Error", "message": LOG_TAIL}}},
+    ],
+    ids=["restarted", "terminated"],
+)  # fmt: skip
+def test_a_server_that_exits_before_ready_fails_the_run_with_its_exit_code_and_log(server: dict[str, Any]) -> None:
+    out = run(job=job_json(), pods=[pod_json(server=server, extractor=EXTRACTOR_WAITING)])
+    st = out.status
+    assert (st.phase, st.reason) == ("Failed", "ServerExited") and out.stop_job
+    assert "server container sglang exited with code 1 (Error) before it was ready" in st.message, st.message
+    assert st.message.endswith(LOG_TAIL) and st.completionTime == "2026-12-02T10:05:00Z"
+    assert cond(st, "Failed") == "True"
+    # Settled: observed again, the failed run stays as it is and nothing is stopped twice.
+    again = run(prior=st, job=job_json(), pods=[pod_json(server=server, extractor=EXTRACTOR_WAITING)])
+    assert (again.status.phase, again.status.reason) == ("Failed", "ServerExited") and not again.stop_job
+
+
+def test_an_exit_by_oom_or_a_kill_says_so_and_a_silent_exit_says_it_left_no_log() -> None:
+    def exited(code: int, reason: str) -> str:
+        server = {"started": False, "ready": False, "restartCount": 1, "state": {"running": {}},
+                  "lastState": {"terminated": {"exitCode": code, "reason": reason}}}  # fmt: skip
+        return run(job=job_json(), pods=[pod_json(server=server, extractor=EXTRACTOR_WAITING)]).status.message
+
+    assert "code 137 (OOMKilled)" in exited(137, "OOMKilled") and "startup probe" not in exited(137, "OOMKilled")
+    assert "startup probe failed" in exited(137, "Error")
+    assert exited(2, "Error").endswith("it left no log")
+
+
+def test_a_server_exit_at_the_end_of_a_run_is_not_a_failure() -> None:
+    # The kubelet stops the sidecar once the extractor has ended: that exit says nothing.
+    server = {"started": True, "ready": False, "restartCount": 0,
+              "state": {"terminated": {"exitCode": 143, "reason": "Error"}}}  # fmt: skip
+    extractor = {"ready": False, "restartCount": 0, "state": {"terminated": {"exitCode": 0}}}
+    out = run(job=job_json(), pods=[pod_json(server=server, extractor=extractor)])
+    assert out.status.reason != "ServerExited" and not out.stop_job
 
 
 def test_loading_server_is_starting_then_running_when_ready() -> None:
