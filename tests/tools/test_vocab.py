@@ -7,7 +7,6 @@ checks: t2d.shape[0] == verifier vocab, t2d.sum() == draft vocab, d2t.shape[0] =
 
 from __future__ import annotations
 
-import glob
 import subprocess
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from hsx_extractor.storage.store import open_store
 from hsx_extractor.tools.cli import main
 from hsx_extractor.tools.vocab import VocabError, draft_tokens, vocab_mapping, write_vocab
 from tests.storage.samples import finalize_run, plan_for, write_run
+from tests.trainers.trainers_venv import is_built, venv_dir, venv_python
 
 
 def test_most_frequent_first_ties_to_the_lower_id() -> None:
@@ -84,15 +84,12 @@ def test_cli_needs_the_target_vocab_when_the_manifest_lacks_it(tmp_path: Path, c
     assert "no manifest" in capsys.readouterr().err
 
 
-# The trainers' venv (SpecForge, speculators from the registry), built by the trainer-adapter tests.
-TRAINERS = sorted(glob.glob(str(Path.home() / ".cache/hsx/trainers-specforge*/bin/python")))
-
-
-@pytest.mark.skipif(not TRAINERS, reason="no trainers venv (~/.cache/hsx/trainers-specforge*) on this machine")
+# The trainers' venv (SpecForge, speculators from the registry) that make test-tools builds under HSX_CACHE.
+@pytest.mark.skipif(not is_built(), reason=f"the trainers venv is not built at {venv_dir()} (make test-tools)")
 def test_real_specforge_and_speculators_load_the_files(tmp_path: Path) -> None:
     uri = _finished_run(tmp_path, 32000)
     write_vocab(uri, 64, tmp_path / "v")
     side = Path(__file__).with_name("vocab_trainer_side.py")
-    done = subprocess.run([TRAINERS[-1], str(side), str(tmp_path / "v"), "64", "32000"],
+    done = subprocess.run([str(venv_python()), str(side), str(tmp_path / "v"), "64", "32000"],
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0 and "OK:" in done.stdout, done.stdout + done.stderr
