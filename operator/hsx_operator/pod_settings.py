@@ -14,7 +14,8 @@ RESERVED_PREFIXES = ("hsx.dev/", "app.kubernetes.io/", "kueue.x-k8s.io/", "batch
 _LABELS: dict[str, Any] = {"maxProperties": 16, "additionalProperties": {"type": "string", "maxLength": 63}}
 _ANNOTATIONS: dict[str, Any] = {"maxProperties": 16, "additionalProperties": {"type": "string", "maxLength": 1024}}
 # Where a CA bundle from a ConfigMap is mounted in the extractor's containers.
-CA_DIR = "/etc/hsx/ca"
+# Beside, not inside, the config ConfigMap at /etc/hsx: a read-only volume cannot hold another mount point.
+CA_DIR = "/etc/hsx-ca"
 
 
 class _Spec(BaseModel):

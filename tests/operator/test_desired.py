@@ -293,10 +293,15 @@ def test_pod_settings_pass_through_and_hsx_keys_win() -> None:
     reaching_s3 = [*pod["spec"]["containers"], pod["spec"]["initContainers"][0]]
     assert [c["name"] for c in reaching_s3] == ["extractor", "preflight"]
     for container in reaching_s3:  # each once: preflight was copied from the extractor
-        assert [e for e in container["env"] if e["name"] == "AWS_CA_BUNDLE"] == [{"name": "AWS_CA_BUNDLE", "value": "/etc/hsx/ca/ca.crt"}]
-        assert [m["mountPath"] for m in container["volumeMounts"]].count("/etc/hsx/ca") == 1
+        assert [e for e in container["env"] if e["name"] == "AWS_CA_BUNDLE"] == [{"name": "AWS_CA_BUNDLE", "value": "/etc/hsx-ca/ca.crt"}]
+        assert [m["mountPath"] for m in container["volumeMounts"]].count("/etc/hsx-ca") == 1
     server = pod["spec"]["initContainers"][1]
     assert all(e["name"] != "AWS_CA_BUNDLE" for e in server["env"])
+    # No mount point inside a read-only volume: the runtime cannot make one there (it once sat under /etc/hsx).
+    for container in [*pod["spec"]["containers"], *pod["spec"]["initContainers"]]:
+        mounts = container["volumeMounts"]
+        for ro in (m["mountPath"].rstrip("/") + "/" for m in mounts if m.get("readOnly")):
+            assert not [m["mountPath"] for m in mounts if m["mountPath"].startswith(ro)], (container["name"], ro)
     plain = desired_job(Owner(name="xj", namespace="ml", uid="u"), make_spec())["spec"]["template"]["spec"]
     assert not {"serviceAccountName", "imagePullSecrets", "runtimeClassName"} & plain.keys()
 

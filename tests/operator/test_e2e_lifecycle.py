@@ -1,6 +1,6 @@
 """Run lifecycle and GitOps reruns on the real control plane and node agent, with the real extractor and
 the CPU reference server: suspend/resume, a runId bump after success, an unchanged re-apply, deleting a
-run mid-way, and a run whose output is the real S3 server.
+run mid-way, and a run whose output is the real S3 server over HTTPS with a private CA.
 
 A spec change other than runId/suspend is refused by the CRD's CEL rule whatever the run's state
 (CEL cannot see status), which tests/operator/test_crd_cluster.py::test_spec_is_locked_while_runid_stays
@@ -9,6 +9,7 @@ covers on the real API server; it needs no operator, so there is no e2e case for
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.ground.pki import CertificateAuthority
 from tests.operator.conftest import HSX, OperatorProcess, wait_for
 from tests.operator.e2e import (
     QUIET_SECONDS,
@@ -37,6 +39,7 @@ from tests.operator.e2e import (
     verify,
 )
 from tests.operator.kube_helpers import Namespace, xj_manifest
+from tests.storage.faultproxy import FaultPlan, FaultProxy, serving_context
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -201,16 +204,39 @@ def test_deleting_a_running_job_removes_its_objects_and_keeps_its_data(
     assert planned_shards(run_dir) > len(store.committed_shards()), "the run was not cut short"
 
 
-def test_run_with_s3_output_and_a_credentials_secret(
+def test_run_with_s3_over_https_signed_by_a_private_ca_and_a_credentials_secret(
     ns: Namespace,
     run_env: dict[str, Any],
     start_operator: Callable[[], OperatorProcess],
     hsx_node: Any,
     s3_server: Any,
     s3_bucket: str,
+    tmp_path: Path,
 ) -> None:
-    port = int(s3_server.endpoint.rsplit(":", 1)[1])
-    pod_endpoint = f"http://{hsx_node.forward_host_port(port)}"  # pods have their own network namespace
+    with contextlib.ExitStack() as stack:
+        _run_over_https(stack, ns, run_env, start_operator, hsx_node, s3_server, s3_bucket, tmp_path)
+
+
+def _run_over_https(
+    stack: contextlib.ExitStack[Any],
+    ns: Namespace,
+    run_env: dict[str, Any],
+    start_operator: Callable[[], OperatorProcess],
+    hsx_node: Any,
+    s3_server: Any,
+    s3_bucket: str,
+    tmp_path: Path,
+) -> None:
+    # An on-prem store: HTTPS with a certificate of the cluster's own CA, which the pods learn from a
+    # ConfigMap (spec.pod.caBundleConfigMap); the proxy terminates TLS in front of the real S3 server.
+    ca = CertificateAuthority("hsx-onprem-s3-ca")
+    serving = ca.issue("s3.onprem", ip_addresses=[hsx_node.net.gateway, "127.0.0.1"], server=True)
+    (tmp_path / "ca.crt").write_bytes(ca.cert_pem)
+    ns.kubectl("create", "configmap", "s3-ca", f"--from-file=ca.crt={tmp_path / 'ca.crt'}")
+    tls = serving_context(serving.cert_pem, serving.key_pem, tmp_path)
+    proxy = stack.enter_context(FaultProxy(s3_server.endpoint, FaultPlan(seed=0, rate=0.0), tls))
+    port = int(proxy.endpoint.rsplit(":", 1)[1])
+    pod_endpoint = f"https://{hsx_node.forward_host_port(port)}"  # pods have their own network namespace
     ns.kubectl(
         "create", "secret", "generic", "s3-creds",
         f"--from-literal=AWS_ACCESS_KEY_ID={s3_server.access_key}",
@@ -225,13 +251,14 @@ def test_run_with_s3_output_and_a_credentials_secret(
         "credentialsSecret": "s3-creds",
         "shardTargetBytes": 1 << 20,
     }
-    manifest = xj_manifest("s3", "r1", **run_env)
+    manifest = xj_manifest("s3", "r1", **run_env, pod={"caBundleConfigMap": "s3-ca"})
     manifest["spec"]["output"] = output
     ns.apply(manifest)
     moving = wait_for(progressed(ns, "s3"), 240, "progress")
     assert moving["phase"] != "Failed", moving
     done = wait_for(phase(ns, "s3", "Succeeded", "Failed"), 300, "the run to end")
     assert done["phase"] == "Succeeded", done
+    assert proxy.counts["requests"] > 0  # the pods wrote through TLS, trusting the ConfigMap's CA
     assert done["output"]["prefix"] == f"s3://{s3_bucket}/runs/r1/"
     env_names = {
         e["name"]

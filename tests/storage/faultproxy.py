@@ -11,6 +11,9 @@ connection per request. A seeded fraction of requests instead gets one fault:
 
 ``slow_matching`` delays every request whose target contains that text (to widen a window).
 
+With ``tls`` (a server-side SSL context) the proxy speaks HTTPS to its clients and plain HTTP upstream:
+an S3 endpoint behind a private CA, as on-prem stores are (with a plan of ``rate=0`` it only terminates TLS).
+
 ``strip_if_none_match`` (with the server's ``secret_key``) removes the ``If-None-Match`` header
 from every request and signs it again (SigV4, same identity and date): the server then sees a
 plain PUT or complete, like a store that ignores conditional writes.
@@ -23,10 +26,12 @@ import contextlib
 import hashlib
 import hmac
 import random
+import ssl
 import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 FAULTS = ("error", "reset_before", "reset_after", "slow")
@@ -149,8 +154,9 @@ def resign_without(head: bytes, drop: str, secret_key: str) -> bytes:
 class FaultProxy:
     """Run with ``with FaultProxy(upstream, plan) as proxy: ... proxy.endpoint ...``."""
 
-    def __init__(self, upstream: str, plan: FaultPlan):
+    def __init__(self, upstream: str, plan: FaultPlan, tls: ssl.SSLContext | None = None):
         parts = urlsplit(upstream)
+        self._tls = tls
         self._up_host, self._up_port = parts.hostname or "127.0.0.1", parts.port or 80
         self.plan = plan
         self.counts: Counter[str] = Counter()
@@ -248,10 +254,10 @@ class FaultProxy:
     def __enter__(self) -> FaultProxy:
         self._thread.start()
         self._server = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._serve, "127.0.0.1", 0), self._loop
+            asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self._tls), self._loop
         ).result(timeout=10)
         port = self._server.sockets[0].getsockname()[1]
-        self.endpoint = f"http://127.0.0.1:{port}"
+        self.endpoint = f"{'https' if self._tls else 'http'}://127.0.0.1:{port}"
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -271,6 +277,16 @@ class FaultProxy:
 
 
 @contextlib.contextmanager
-def fault_proxy(upstream: str, plan: FaultPlan) -> Iterator[FaultProxy]:
-    with FaultProxy(upstream, plan) as proxy:
+def fault_proxy(upstream: str, plan: FaultPlan, tls: ssl.SSLContext | None = None) -> Iterator[FaultProxy]:
+    with FaultProxy(upstream, plan, tls) as proxy:
         yield proxy
+
+
+def serving_context(cert_pem: bytes, key_pem: bytes, directory: Path) -> ssl.SSLContext:
+    """A server-side SSL context for ``FaultProxy(tls=...)`` from a PEM certificate and key."""
+    cert, key = directory / "proxy.crt", directory / "proxy.key"
+    cert.write_bytes(cert_pem)
+    key.write_bytes(key_pem)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    return context
