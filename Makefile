@@ -15,13 +15,14 @@ export SSL_CERT_FILE ?= /etc/ssl/certs/ca-certificates.crt
 export HSX_CACHE
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv test-tools lint test demo dev-cluster dev-bucket bench crds clean
+.PHONY: help venv test-tools lint test demo dev-cluster dev-bucket images bench crds clean
 
 help:
 	@echo "make demo         extract a bundled dataset with a tiny model on CPU, verify, summarise"
 	@echo "make test         lint, type-check and run every test (builds test binaries once, cached)"
 	@echo "make dev-cluster  start the test control plane + node agent + S3 server in the foreground"
 	@echo "make dev-bucket NAME=b  make a bucket on the running dev cluster's S3 server"
+	@echo "make images REGISTRY=r [PUSH=1]  build (and push) the operator, extractor, sglang and vllm images"
 	@echo "make bench        run the benchmarks under bench/ (results in bench/results/)"
 	@echo "make crds         regenerate crds/ from the operator's pydantic models"
 
@@ -65,6 +66,17 @@ dev-cluster: venv test-tools
 # A bucket on the running dev cluster's S3 server: make dev-bucket NAME=my-bucket
 dev-bucket: venv
 	$(BIN)/python -m tests.ground.devcluster bucket "$(NAME)"
+
+# hsx's four images for your registry, with Docker Buildx (the Dockerfile's targets); PUSH=1 pushes them:
+# make images REGISTRY=registry.example.com/hsx PUSH=1
+REGISTRY ?= ghcr.io/hsx-dev
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE_TARGETS := operator extractor sglang vllm
+images:
+	@for target in $(IMAGE_TARGETS); do \
+	  echo "docker buildx build --target $$target -t $(REGISTRY)/hsx-$$target:$(VERSION) $(if $(PUSH),--push,--load) ."; \
+	  docker buildx build --target $$target -t $(REGISTRY)/hsx-$$target:$(VERSION) $(if $(PUSH),--push,--load) . || exit 1; \
+	done
 
 bench: venv test-tools
 	$(BIN)/python -m bench

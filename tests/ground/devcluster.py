@@ -2,9 +2,9 @@
 
 Starts the control plane, the node agent and (when tests/ground/s3.py is present) the S3 server, prints how
 to reach them, and tears everything down on Ctrl-C or SIGTERM. hsx's images run from this checkout
-(tests/ground/images.py: the server image is the CPU reference server); with S3 it also prepares a tiny model,
-a dataset, a bucket and an ExtractionJob, and prints the commands that install the chart and run it
-(docs/guide.md, "Try it on the dev cluster").
+(tests/ground/images.py: the server image is the CPU reference server); with S3 it also prepares what the
+README's quick start needs (a namespace, a PVC holding a tiny model and a dataset, a bucket) and prints the
+quick start's commands with this cluster's values (docs/guide.md, "Try it on the dev cluster").
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from tests.ground.images import register_hsx_images
+from tests.ground.images import REGISTRY, register_hsx_images
 from tests.ground.kube import start_kube_cluster
 from tests.ground.node_agent import start_node_agent
 from tests.ground.tools import tool_path
@@ -32,6 +32,8 @@ from tests.ground.tools import tool_path
 REPO = Path(__file__).resolve().parents[2]
 TRY_NAMESPACE = "hsx-try"
 TRY_BUCKET = "hsx-try"
+# The README line before the quick start's commands.
+QUICKSTART_MARKER = "<!-- quickstart: tests/ground/test_ground_devcluster.py runs the next block verbatim -->"
 # Where the running dev cluster says how to reach it, for helpers in other shells (`make dev-bucket`).
 CURRENT = Path(os.environ.get("HSX_CACHE", Path.home() / ".cache" / "hsx")) / "dev-cluster.env"
 
@@ -61,8 +63,9 @@ def _s3_context(workdir: Path):
     return start_s3_server(workdir)
 
 
-def prepare_try(try_dir: Path, s3: Any, pod_endpoint: str) -> Path:
-    """A tiny model, the bundled dataset beside it, a bucket and the manifest of one run; the manifest's path."""
+def prepare_try(try_dir: Path, cluster: Any, s3: Any) -> None:
+    """What the README's quick start needs before its first line: a tiny model and the bundled dataset on a
+    PersistentVolume bound to PVC ``models`` in namespace hsx-try, and a bucket."""
     from hsx_extractor.tools.tinymodel import build_tiny_model, example_dataset_path
 
     build_tiny_model(try_dir / "tiny")
@@ -70,51 +73,75 @@ def prepare_try(try_dir: Path, s3: Any, pod_endpoint: str) -> Path:
     for path in [try_dir, *try_dir.rglob("*")]:  # the extractor runs as uid 65532
         path.chmod(0o755 if path.is_dir() else 0o644)
     s3.create_bucket(TRY_BUCKET)
+    claim = {"accessModes": ["ReadOnlyMany"], "storageClassName": ""}
     docs: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": TRY_NAMESPACE}},
         {
             "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {"name": "hsx-s3-credentials", "namespace": TRY_NAMESPACE},
-            "stringData": {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key},
-        },
-        {
-            "apiVersion": "hsx.dev/v1alpha1",
-            "kind": "ExtractionJob",
-            "metadata": {"name": "tiny", "namespace": TRY_NAMESPACE},
+            "kind": "PersistentVolume",
+            "metadata": {"name": "hsx-try-models"},
             "spec": {
-                "runId": "r1",
-                "model": {"path": "/models/tiny", "source": {"hostPath": {"path": str(try_dir)}}},
-                "server": {"gpus": 1},
-                "dataset": {"uri": "/models/chat.jsonl"},
-                "output": {
-                    "uri": f"s3://{TRY_BUCKET}/tiny",
-                    "endpoint": pod_endpoint,
-                    "region": s3.region,
-                    "pathStyle": True,
-                    "credentialsSecret": "hsx-s3-credentials",
-                    "shardTargetBytes": 1 << 20,
-                },
+                **claim,
+                "capacity": {"storage": "1Gi"},
+                "hostPath": {"path": str(try_dir), "type": "Directory"},
+                "claimRef": {"namespace": TRY_NAMESPACE, "name": "models"},
             },
         },
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "models", "namespace": TRY_NAMESPACE},
+            "spec": {**claim, "volumeName": "hsx-try-models", "resources": {"requests": {"storage": "1Gi"}}},
+        },
     ]
-    manifest = try_dir / "extractionjob.yaml"
-    manifest.write_text(yaml.safe_dump_all(docs, sort_keys=False))
-    return manifest
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs, sort_keys=False))
 
 
-def try_commands(kubeconfig: Path, try_dir: Path, manifest: Path) -> list[str]:
-    """The guide's steps with this cluster's paths filled in, one shell command each."""
-    tools = [str(tool_path("helm").parent), str(tool_path("kubectl").parent)]
+def quickstart_variables(s3: Any, pod_endpoint: str) -> dict[str, str]:
+    """The README quick start's variables, as this cluster fills them in."""
+    return {
+        "NS": TRY_NAMESPACE,
+        "REGISTRY": REGISTRY,
+        "BUCKET": TRY_BUCKET,
+        "S3_ENDPOINT": pod_endpoint,
+        "S3_REGION": s3.region,
+        "S3_PATH_STYLE": "true",
+        "MODEL_DIR": "tiny",
+        "DATASET": "chat.jsonl",
+    }
+
+
+def quickstart_commands(readme: Path = REPO / "README.md") -> list[str]:
+    """The commands of the README's quick start: the fenced block after its ``<!-- quickstart -->`` marker."""
+    lines = readme.read_text().splitlines()
+    start = lines.index(QUICKSTART_MARKER) + 1
+    if not lines[start].startswith("```"):
+        raise ValueError(f"README.md: a fenced block must follow {QUICKSTART_MARKER}")
+    end = lines.index("```", start + 1)
+    return [line for line in lines[start + 1 : end] if line.strip() and not line.lstrip().startswith("#")]
+
+
+def try_commands(kubeconfig: Path, s3: Any, pod_endpoint: str) -> list[str]:
+    """This cluster's variables and tools, then the README's quick start, one shell command each."""
+    tools = [str(tool_path("helm").parent), str(tool_path("kubectl").parent), str(Path(sys.executable).parent)]
+    settings = {**quickstart_variables(s3, pod_endpoint), **host_s3_env(s3)}
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in settings.items())
     return [
         f"export KUBECONFIG={kubeconfig} PATH={':'.join(dict.fromkeys(tools))}:$PATH",
+        f"export {exports}",
         f"cd {shlex.quote(str(REPO))}",
-        "helm install hsx charts/hsx -n hsx-system --create-namespace"
-        f" --set 'policy.allowedHostPaths={{{try_dir}}}' --wait",
-        f"kubectl apply -f {manifest}",
-        f"kubectl wait -n {TRY_NAMESPACE} xj/tiny --for=jsonpath='{{.status.phase}}'=Succeeded --timeout=600s",
-        f"kubectl get xj -n {TRY_NAMESPACE}",
+        *quickstart_commands(),
     ]
+
+
+def host_s3_env(s3: Any) -> dict[str, str]:
+    """The AWS_* environment of this host's view of the S3 server (boto3, the aws CLI, `hsx verify`)."""
+    return {
+        "AWS_ACCESS_KEY_ID": s3.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3.secret_key,
+        "AWS_REGION": s3.region,
+        "AWS_ENDPOINT_URL": s3.endpoint,
+    }
 
 
 def env_lines(kubeconfig: Path, s3: Any, pod_endpoint: str | None) -> list[str]:
@@ -122,13 +149,8 @@ def env_lines(kubeconfig: Path, s3: Any, pod_endpoint: str | None) -> list[str]:
     `hsx verify` read AWS_ENDPOINT_URL); HSX_DEV_S3_POD_ENDPOINT is what manifests name."""
     lines = [f"export KUBECONFIG={shlex.quote(str(kubeconfig))}"]
     if s3 is not None:
-        lines += [
-            f"export AWS_ACCESS_KEY_ID={shlex.quote(s3.access_key)}",
-            f"export AWS_SECRET_ACCESS_KEY={shlex.quote(s3.secret_key)}",
-            f"export AWS_REGION={shlex.quote(s3.region)}",
-            f"export AWS_ENDPOINT_URL={shlex.quote(s3.endpoint)}",
-            f"export HSX_DEV_S3_POD_ENDPOINT={shlex.quote(pod_endpoint or '')}",
-        ]
+        lines += [f"export {k}={shlex.quote(v)}" for k, v in host_s3_env(s3).items()]
+        lines += [f"export HSX_DEV_S3_POD_ENDPOINT={shlex.quote(pod_endpoint or '')}"]
     return lines
 
 
@@ -190,9 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         pod_endpoint = None
         if s3 is not None:
             pod_endpoint = f"http://{agent.forward_host_port(int(s3.endpoint.rsplit(':', 1)[1]))}"
-            try_dir = workdir / "try"
-            manifest = prepare_try(try_dir, s3, pod_endpoint)
-            steps = try_commands(cluster.kubeconfig, try_dir, manifest)
+            prepare_try(workdir / "try", cluster, s3)
+            steps = try_commands(cluster.kubeconfig, s3, pod_endpoint)
         env_file, pid_file = workdir / "dev-cluster.env", workdir / "dev-cluster.pid"
         env_file.write_text("\n".join(env_lines(cluster.kubeconfig, s3, pod_endpoint)) + "\n")
         pid_file.write_text(f"{os.getpid()}\n")
@@ -216,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
               f" and {agent.workdir / 'logs'}")  # fmt: skip
         print(f"  stop:        Ctrl-C here, or kill -TERM $(cat {pid_file})  (this process, not make's)")
         if steps:
-            print("  try an extraction (docs/guide.md, 'Try it on the dev cluster'), in another shell:")
+            print("  try an extraction: the README's quick start with this cluster's values, in another shell:")
             for step in steps:
                 print(f"    $ {step}")
         print("[dev-cluster] Ctrl-C stops everything.", flush=True)

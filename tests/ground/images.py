@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 BIN = Path(sys.executable).parent
-OPERATOR_IMAGE = "ghcr.io/hsx-dev/hsx-operator:*"
-SERVER_IMAGE = "ghcr.io/hsx-dev/hsx-sglang:*"
-EXTRACTOR_IMAGE = "ghcr.io/hsx-dev/hsx-extractor:*"
+# hsx's default registry (operator/hsx_operator/api.py, the chart's values); the quick start's REGISTRY here.
+REGISTRY = "ghcr.io/hsx-dev"
+OPERATOR_IMAGE = f"{REGISTRY}/hsx-operator:*"
+SERVER_IMAGE = f"{REGISTRY}/hsx-sglang:*"
+EXTRACTOR_IMAGE = f"{REGISTRY}/hsx-extractor:*"
 
 
 def flag_value(command: list[str], flag: str) -> str | None:

@@ -357,6 +357,21 @@ class NodeAgent:
         obj = self._get_authorized(f"/api/v1/namespaces/{namespace}/configmaps/{name}")
         return None if obj is None else configmap_data(obj)
 
+    def claimed_dir(self, namespace: str, claim: str) -> Path:
+        """The node directory of the PersistentVolume bound to ``claim`` (hostPath or local PVs: the ground
+        has no provisioner, an admin's static PVs are what it serves)."""
+        pvc = self._get_authorized(f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim}")
+        if pvc is None:
+            raise PodSpecError("ContainerCreating", f"persistentvolumeclaim {claim!r} not found")
+        volume = (pvc.get("spec") or {}).get("volumeName")
+        if not volume or (pvc.get("status") or {}).get("phase") != "Bound":
+            raise PodSpecError("ContainerCreating", f"persistentvolumeclaim {claim!r} is not bound")
+        pv = self._get_authorized(f"/api/v1/persistentvolumes/{volume}") or {}
+        source = (pv.get("spec") or {}).get("hostPath") or (pv.get("spec") or {}).get("local")
+        if not source:
+            raise PodSpecError("ContainerCreating", f"persistentvolume {volume!r}: only hostPath and local are served")
+        return Path(source["path"])
+
     def secret(self, namespace: str, name: str) -> dict[str, bytes] | None:
         obj = self._get_authorized(f"/api/v1/namespaces/{namespace}/secrets/{name}")
         return None if obj is None else decoded_secret_data(obj)

@@ -284,6 +284,8 @@ class PodWorker(threading.Thread):
             elif kind in ("Directory", "File") and not host.exists():
                 raise PodSpecError("ContainerCreating", f"hostPath {host} does not exist")
             return host
+        if "persistentVolumeClaim" in volume:
+            return self.agent.claimed_dir(self.namespace, volume["persistentVolumeClaim"]["claimName"])
         target.mkdir(parents=True, exist_ok=True)
         fs_group = (self.pod["spec"].get("securityContext") or {}).get("fsGroup")
         if "emptyDir" in volume:

@@ -1,5 +1,5 @@
-"""`make dev-cluster` starts a usable ground in the foreground, runs an ExtractionJob to Succeeded with the
-chart's operator by exactly the steps it prints (docs/guide.md), and leaves nothing behind on Ctrl-C."""
+"""`make dev-cluster` starts a usable ground in the foreground, runs the README's quick start verbatim (with the
+values the dev cluster prints) until `hsx verify` passes, and leaves nothing behind on Ctrl-C."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ground.devcluster import quickstart_commands
 from tests.ground.tools import tool_path
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -118,7 +119,7 @@ def test_dev_cluster_runs_the_guides_extraction_and_stops_cleanly(tmp_path):
         # Which endpoint goes into a manifest is said; it is the one the prepared manifest names.
         pod_endpoint = re.search(r"S3 endpoint for manifests: (\S+)", banner)
         assert pod_endpoint, banner
-        assert f"endpoint: {pod_endpoint.group(1)}" in (workdir / "try" / "extractionjob.yaml").read_text()
+        assert f"S3_ENDPOINT={pod_endpoint.group(1)}" in banner
         # Another bucket, as the banner says, from another shell; the env file reaches it from this host.
         made = subprocess.run(
             ["make", "-s", "dev-bucket", "NAME=extra"], cwd=REPO, capture_output=True, text=True, timeout=120
@@ -131,17 +132,21 @@ def test_dev_cluster_runs_the_guides_extraction_and_stops_cleanly(tmp_path):
         )  # fmt: skip
         assert "'extra'" in listed.stdout and "'hsx-try'" in listed.stdout, listed.stdout + listed.stderr
         assert (workdir / "dev-cluster.pid").read_text().strip() == str(proc.pid)
+        # The banner's steps: this cluster's values, then the README's quick start, verbatim.
         steps = printed_steps(banner)
-        assert any(s.startswith("helm install hsx charts/hsx") for s in steps), banner
-        # The steps as a user pastes them: one shell, the last one prints `kubectl get xj`.
-        tried = run_steps(steps, timeout_s=1200)  # helm --wait (5 min) + kubectl wait (10 min) at most
+        readme = quickstart_commands()
+        assert readme[0].startswith("helm install hsx charts/hsx") and readme[-1].startswith("hsx verify"), readme
+        assert steps[-len(readme):] == readme and len(steps) == len(readme) + 3, banner
+        # As a user pastes them, in one shell: the README's wait, its table and its verify.
+        tried = run_steps(steps, timeout_s=1200)
         assert tried.returncode == 0, f"{tried.stdout}\n{tried.stderr}\n{banner}"
-        table = tried.stdout.splitlines()[-2:]
-        assert table[0].split()[:3] == ["NAME", "PHASE", "REASON"], tried.stdout
-        assert table[1].split()[:2] == ["tiny", "Succeeded"], tried.stdout
+        lines = tried.stdout.splitlines()
+        header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["NAME", "PHASE", "REASON"])
+        assert lines[header + 1].split()[:2] == ["quickstart", "Succeeded"], tried.stdout
+        assert "OK: s3://hsx-try/quickstart/r1" in tried.stdout, tried.stdout  # hsx verify
         xj = subprocess.run(
-            [str(tool_path("kubectl")), "--kubeconfig", kubeconfig.group(1), "get", "xj", "-n", "hsx-try", "tiny",
-             "-o", "json"],
+            [str(tool_path("kubectl")), "--kubeconfig", kubeconfig.group(1), "get", "xj", "-n", "hsx-try",
+             "quickstart", "-o", "json"],
             capture_output=True, text=True, check=True,
         )  # fmt: skip
         progress = json.loads(xj.stdout)["status"]["progress"]
@@ -149,7 +154,7 @@ def test_dev_cluster_runs_the_guides_extraction_and_stops_cleanly(tmp_path):
         # `kubectl logs` as a newcomer types it: through the API server to the node's kubelet API.
         logs = subprocess.run(
             [str(tool_path("kubectl")), "--kubeconfig", kubeconfig.group(1), "logs", "-n", "hsx-try",
-             "job/tiny-r1", "-c", "extractor"],
+             "job/quickstart-r1", "-c", "extractor"],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert logs.returncode == 0 and "samples" in logs.stdout, logs.stdout[-2000:] + logs.stderr

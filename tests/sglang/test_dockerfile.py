@@ -114,3 +114,24 @@ def test_wheel_name_matches_the_project_version() -> None:
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     names = set(re.findall(r"/wheels/(hsx-[^\"\s\[]+\.whl)", DOCKERFILE.read_text()))
     assert names == {f"hsx-{version}-py3-none-any.whl"}
+
+
+def test_make_images_builds_every_image_target_under_the_versions_hsx_names() -> None:
+    """`make images REGISTRY=... PUSH=1` (the README's build step): one Buildx build per image target of
+    this Dockerfile, tagged with the version the operator's default images and the chart's appVersion use."""
+    from hsx_operator.api import DEFAULT_EXTRACTOR_IMAGE, DEFAULT_SERVER_IMAGES
+
+    planned = subprocess.run(["make", "-s", "-n", "images", "REGISTRY=registry.example.com/team", "PUSH=1"],
+                             cwd=ROOT, capture_output=True, text=True, check=True).stdout  # fmt: skip
+    builds = re.findall(r"^\s*docker buildx build --target \$target -t (\S+) --push \. ", planned, re.M)
+    targets = re.search(r"for target in ([\w ]+); do", planned)
+    assert builds and targets, planned
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert builds == [f"registry.example.com/team/hsx-$target:{version}"], builds
+    stages = set(re.findall(r"^FROM \S+ AS (\S+)$", DOCKERFILE.read_text(), re.M))
+    assert set(targets.group(1).split()) == {"operator", "extractor", "sglang", "vllm"} <= stages
+    chart = (ROOT / "charts" / "hsx" / "Chart.yaml").read_text()
+    assert f'appVersion: "{version}"' in chart
+    for image in (DEFAULT_EXTRACTOR_IMAGE, *DEFAULT_SERVER_IMAGES.values()):
+        assert image.endswith(f":{version}"), image
+    assert "--load ." in subprocess.run(["make", "-s", "-n", "images"], cwd=ROOT, capture_output=True, text=True).stdout
