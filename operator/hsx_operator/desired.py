@@ -306,6 +306,15 @@ def _credentials_env(spec: ExtractionJobSpec) -> list[dict[str, Any]]:
 # nor a limit of that resource: the guide's sizing for ~1 GB/s of hidden states (1.6-2 cores per GB/s)
 # and its encode buffers, tokenizer and in-flight dumps' metadata.
 EXTRACTOR_DEFAULT_REQUESTS = {"cpu": "2", "memory": "4Gi"}
+
+
+def server_default_requests(gpus: int) -> dict[str, str]:
+    """What the server asks for when the spec names neither a request nor a limit of that resource: a
+    core per GPU process plus the tokenizer, detokenizer and HTTP processes, 8 GiB of host memory per
+    GPU (CUDA contexts, pinned staging, the weights' read-ahead), so the scheduler and Kueue count it."""
+    return {"cpu": str(gpus + 2), "memory": f"{8 * gpus}Gi"}
+
+
 # Room on /scratch beside the open shards' spool files (tokenizer caches, the interpreter's temp files).
 SCRATCH_SLACK_BYTES = 1 << 30
 
@@ -333,7 +342,9 @@ def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None =
     """The run's batch/v1 Job. ``suspend`` overrides the initial suspend flag (Kueue)."""
     volumes, server_mounts, extractor_mounts = _volumes(spec, owner)
     gpus = str(spec.server.gpus)
-    server_resources = _resources(spec.server.resources.requests, spec.server.resources.limits)
+    server_resources = _resources(
+        spec.server.resources.requests, spec.server.resources.limits, server_default_requests(spec.server.gpus)
+    )
     server_resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
     server_resources.setdefault("requests", {})[GPU_RESOURCE] = gpus
     server = {

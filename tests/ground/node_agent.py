@@ -53,9 +53,10 @@ NODE_NAME = "hsx-test-node"
 # What a pod's command is for an image: argv, or None to run the container's command+args as written.
 Rewrite = Callable[[dict, dict], list[str] | None]
 STATE_MARK = "hsx-node-agent"  # in every path the agent mounts on the host: leftovers are found by it
+# An 8-GPU node as clouds sell them (the pods' requests are bookkeeping here: processes share this machine).
 _NODE_CAPACITY = {
-    "cpu": "16",
-    "memory": "128Gi",
+    "cpu": "96",
+    "memory": "1Ti",
     "pods": "110",
     "ephemeral-storage": "100Gi",
     "nvidia.com/gpu": "8",

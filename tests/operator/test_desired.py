@@ -355,3 +355,17 @@ def test_the_extractor_requests_real_numbers_and_its_scratch_has_a_ceiling() -> 
     assert extractor["resources"] == {"requests": {"memory": "16Gi"}, "limits": {"cpu": "8"}}
     scratch = next(v for v in pod["volumes"] if v["name"] == "scratch")
     assert scratch["emptyDir"]["sizeLimit"] == str(3 * (256 << 20) + (1 << 30))
+
+
+def test_the_server_requests_cpu_and_memory_by_its_gpus_unless_the_spec_names_them() -> None:
+    owner = Owner(name="xj", namespace="ml", uid="u")
+
+    def server(**spec: object) -> dict[str, object]:
+        job = desired_job(owner, make_spec(**spec))
+        return dict(job["spec"]["template"]["spec"]["initContainers"][1]["resources"])
+
+    assert server(server={"gpus": 8})["requests"] == {"cpu": "10", "memory": "64Gi", "nvidia.com/gpu": "8"}
+    named = server(server={"gpus": 2, "resources": {"requests": {"cpu": "40"}, "limits": {"memory": "900Gi"}}})
+    # A limit alone makes the request (Kubernetes copies it): no default beside it.
+    assert named["requests"] == {"cpu": "40", "nvidia.com/gpu": "2"}, named
+    assert named["limits"] == {"memory": "900Gi", "nvidia.com/gpu": "2"}, named
