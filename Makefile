@@ -15,7 +15,7 @@ export SSL_CERT_FILE ?= /etc/ssl/certs/ca-certificates.crt
 export HSX_CACHE
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv test-tools lint test demo dev-cluster dev-bucket images bench crds clean
+.PHONY: help venv test-tools lint test fuzz demo dev-cluster dev-bucket images bench crds clean
 
 help:
 	@echo "make demo         extract a bundled dataset with a tiny model on CPU, verify, summarise"
@@ -23,6 +23,7 @@ help:
 	@echo "make dev-cluster  start the test control plane + node agent + S3 server in the foreground"
 	@echo "make dev-bucket NAME=b  make a bucket on the running dev cluster's S3 server"
 	@echo "make images REGISTRY=r [PUSH=1]  build (and push) the operator, extractor, sglang and vllm images"
+	@echo "make fuzz         the fuzz properties of every input surface, long budget (make test runs a short one)"
 	@echo "make bench        run the benchmarks under bench/ (results in bench/results/)"
 	@echo "make crds         regenerate crds/ from the operator's pydantic models"
 
@@ -52,6 +53,11 @@ test-tools:
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy extractor/hsx_extractor operator/hsx_operator
+
+# The fuzz properties of every surface that takes outside input (tests/fuzz) with a long budget; make test
+# runs them with a short one. A failure prints the example: add it to the property's @example corpus.
+fuzz: venv
+	HSX_FUZZ=long $(BIN)/python -m pytest -q -p no:cacheprovider tests/fuzz
 
 # Prints where the time went at the end (set-up, lint, tests), pass or fail: CI has 90 minutes in all.
 test:
