@@ -22,6 +22,7 @@ from hsx_extractor import __version__
 from hsx_extractor.contract import EXIT_OK, EXIT_PERMANENT
 from hsx_extractor.model import model_fingerprint
 from hsx_extractor.reader import OutputReader
+from hsx_extractor.run.plan import ShardPlan
 from hsx_extractor.run.tokens import ChatTokenizer
 from hsx_extractor.storage.commit_record import ShardCommit
 
@@ -88,7 +89,10 @@ def test_manifest_says_what_the_data_is_and_counts_match_the_dataset(
         "uri": str(dataset),
         "digest": "sha256:" + hashlib.sha256(dataset.read_bytes()).hexdigest(),
         "bytes": dataset.stat().st_size,
+        # The rows the shards were cut from, as plan.json digests them (not the file as it is later).
+        "rowsDigest": ShardPlan.from_json(json.loads((run_dir / "plan.json").read_text())).rows_digest,
     }
+    assert len(manifest["dataset"]["rowsDigest"]) == 16
     assert manifest["run"]["vocabSize"] == tokenizer.vocab_size
     # What `hsx export --model` checks a model's norm against (the weight's own bytes).
     from safetensors.numpy import load_file

@@ -320,6 +320,40 @@ def test_dataset_lines_from_s3(s3_env: S3Server, s3_bucket: str) -> None:
         list(iter_rows(f"s3://{s3_bucket}/data/missing.jsonl", S3Endpoint.of(spec)))
 
 
+def test_a_dataset_rewritten_while_it_is_read_stops_the_read_with_what_changed(s3_env: S3Server, s3_bucket: str) -> None:
+    """Every ranged read of a dataset is pinned to the ETag it had when reading began (issue 32, item 6):
+    an object rewritten in between is refused, JSONL (chunked reads) and Parquet (ranged reads) alike."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hsx_extractor.storage import uris
+    from hsx_extractor.storage.backends import ObjectChanged
+
+    client, where = s3_env.client(), S3Endpoint.of(_spec(s3_env, s3_bucket))
+    line = b'{"id": "%d", "messages": []}\n'
+    client.put_object(Bucket=s3_bucket, Key="data/a.jsonl", Body=b"".join(line % i for i in range(4000)))
+    chunks = uris.open_uri_chunks(f"s3://{s3_bucket}/data/a.jsonl", where, chunk_size=4096)
+    first = next(chunks)
+    client.put_object(Bucket=s3_bucket, Key="data/a.jsonl", Body=b"".join(line % (i + 1) for i in range(4000)))
+    with pytest.raises(ObjectChanged, match="changed while it was read"):
+        list(chunks)
+    assert first.startswith(b'{"id": "0"')
+    # Unchanged, the same reads go through.
+    assert sum(len(c) for c in uris.open_uri_chunks(f"s3://{s3_bucket}/data/a.jsonl", where, 4096)) > 4096 * 10
+
+    table = io.BytesIO()
+    pq.write_table(pa.table({"id": [str(i) for i in range(100)]}), table)
+    client.put_object(Bucket=s3_bucket, Key="data/b.parquet", Body=table.getvalue())
+    source = uris.open_uri_source(f"s3://{s3_bucket}/data/b.parquet", where)
+    assert source.read_at(0, 4) == b"PAR1"
+    client.put_object(Bucket=s3_bucket, Key="data/b.parquet", Body=table.getvalue() + b"")
+    client.put_object(Bucket=s3_bucket, Key="data/b.parquet", Body=b"PAR1" + table.getvalue()[4:-8] + b"\0" * 8)
+    with pytest.raises(ObjectChanged):
+        source.read_at(4, 4)
+
+
 def test_reader_in_dataloader_workers(s3_env: S3Server, s3_bucket: str) -> None:
     """Each worker process opens its own client; the dataset also survives pickling (spawn)."""
     import pickle

@@ -353,7 +353,7 @@ class Extraction:
             },
             "capture": capture.to_json(),
             "tokenizer": tok.description(),
-            "dataset": dataset_digest(cfg.dataset.uri, dataset_endpoint(cfg)),
+            "dataset": {**dataset_digest(cfg.dataset.uri, dataset_endpoint(cfg)), "rowsDigest": plan.rows_digest},
         }
 
     def consistency_info(self) -> dict[str, Any]:

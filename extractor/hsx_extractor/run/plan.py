@@ -163,6 +163,14 @@ class ShardPlan:
         )
 
     @property
+    def rows_digest(self) -> str:
+        """One digest of every planned shard's rows (their lines' raw bytes, as the readers check them):
+        what a run's samples were cut from, whatever the file holds later ("" for plans without them)."""
+        if not self.digests:
+            return ""
+        return xxhash.xxh3_64_hexdigest("\n".join([str(self.rows), *self.digests]).encode())
+
+    @property
     def last_line(self) -> int:
         return max((last for _, last in self.lines), default=0)
 

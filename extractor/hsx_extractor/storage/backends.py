@@ -34,6 +34,10 @@ class PermanentStoreError(StoreError):
     exit_code = EXIT_PERMANENT
 
 
+class ObjectChanged(PermanentStoreError):
+    """An object was rewritten while it was read (a ranged read pinned to its ETag answered 412)."""
+
+
 class ShardConflictError(PermanentStoreError):
     """A different object already holds this shard's key. It is never overwritten."""
 

@@ -24,6 +24,7 @@ from isal import isal_zlib
 from hsx_extractor.config import OutputSpec
 from hsx_extractor.storage import failpoints
 from hsx_extractor.storage.backends import (
+    ObjectChanged,
     ObjectSource,
     PermanentStoreError,
     TransientStoreError,
@@ -316,20 +317,25 @@ class S3Backend:
         check_object_size(key, size, max_bytes)  # before any body was read
         return data
 
-    def get_range(self, key: str, start: int, length: int) -> bytes:
-        return bytes(self._get_range(key, start, length, None))
+    def get_range(self, key: str, start: int, length: int, if_match: str | None = None) -> bytes:
+        """``length`` bytes from ``start``; with ``if_match`` (an ETag) only of that version of the object:
+        :class:`ObjectChanged` if it was rewritten since."""
+        return bytes(self._get_range(key, start, length, None, if_match))
 
     def get_range_into(self, key: str, start: int, into: memoryview) -> memoryview:
         data = self._get_range(key, start, len(into), into)
         return data if isinstance(data, memoryview) else memoryview(data)
 
-    def _get_range(self, key: str, start: int, length: int, into: memoryview | None) -> bytes | memoryview:
+    def _get_range(
+        self, key: str, start: int, length: int, into: memoryview | None, if_match: str | None = None
+    ) -> bytes | memoryview:
         if length <= 0:
             return b""
+        pinned = {"IfMatch": f'"{if_match}"'} if if_match else {}
 
         def fetch() -> bytes | memoryview:
             resp = self.client.get_object(
-                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}"
+                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}", **pinned
             )
             data = resp["Body"].read() if into is None else _read_into(resp["Body"], into)
             total = int(str(resp.get("ContentRange", "/0")).rsplit("/", 1)[-1] or 0)
@@ -337,7 +343,13 @@ class S3Backend:
                 raise botocore.exceptions.IncompleteReadError(actual_bytes=len(data), expected_bytes=length)
             return data
 
-        return self.retrier.call("GetObject", key, fetch)
+        try:
+            return self.retrier.call("GetObject", key, fetch, passthrough=(PRECONDITION,))
+        except botocore.exceptions.ClientError as exc:
+            raise ObjectChanged(
+                f"s3://{self.bucket}/{key} changed while it was read (it was ETag {if_match} when reading began): "
+                "what a run reads must stay as it is until the run ends; restore it or start a new runId"
+            ) from exc
 
     def size(self, key: str) -> int | None:
         try:
@@ -398,11 +410,13 @@ class S3Backend:
         self.retrier.call("DeleteObject", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=key))
 
     def iter_object(self, key: str, chunk_size: int) -> Iterator[bytes]:
-        size = self.size(key)
-        if size is None:
+        """The object front to back, every ranged read pinned to the ETag it had when reading began."""
+        if self.size(key) is None:
             raise PermanentStoreError(f"s3://{self.bucket}/{key} does not exist")
+        version = self.stat(key)
+        size, etag = int(version["size"]), str(version["etag"]) or None
         for offset in range(0, size, chunk_size):
-            yield self.get_range(key, offset, min(chunk_size, size - offset))
+            yield self.get_range(key, offset, min(chunk_size, size - offset), etag)
 
 
 def split_object_uri(uri: str) -> tuple[str, str]:

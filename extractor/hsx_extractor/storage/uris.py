@@ -70,13 +70,16 @@ class _ObjectRanges:
         if size is None:
             raise PermanentStoreError(f"{description} does not exist")
         self._size = int(size)
+        stat = getattr(backend, "stat", None)  # S3: every ranged read is pinned to the ETag it has now
+        self._pinned = (str(stat(key).get("etag") or "") or None) if stat else None
 
     @property
     def size(self) -> int:
         return self._size
 
     def read_at(self, offset: int, length: int, into: bytearray | None = None) -> bytes | bytearray:
-        data = self._backend.get_range(self._key, offset, length)
+        pinned = (self._pinned,) if self._pinned else ()
+        data = self._backend.get_range(self._key, offset, length, *pinned)
         if into is None:
             return bytes(data)
         into[:] = data
