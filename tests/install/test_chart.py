@@ -20,7 +20,9 @@ KUBE_VERSION = (1, 37)
 VALUE_SETS: dict[str, dict[str, str]] = {
     "defaults": {},
     "namespaced": {"rbac.namespaced": "true", "watchNamespaces": "{ml,research}"},
+    "cluster-wide": {"rbac.namespaced": "false"},
     "peering": {
+        "rbac.namespaced": "false",
         "replicaCount": "2",
         "peering.enabled": "true",
         "logLevel": "debug",
@@ -131,7 +133,6 @@ def test_bad_values_fail_with_the_schema_message(values: dict[str, str], message
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"rbac.namespaced": "true"}, "rbac.namespaced=true needs watchNamespaces"),
         ({"replicaCount": "2"}, "replicaCount > 1 needs peering.enabled=true"),
         (
             {"metrics.service.enabled": "false", "metrics.serviceMonitor.enabled": "true"},
@@ -181,8 +182,10 @@ def test_the_operator_accepts_the_arguments_the_chart_passes() -> None:
         args = build_parser().parse_args(container["args"])
         metrics_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
         assert args.metrics_port == metrics_port, name
-        watched = values.get("watchNamespaces", "{}").strip("{}")
-        assert args.namespace == ([n for n in watched.split(",") if n] or [])
+        watched = [n for n in values.get("watchNamespaces", "{}").strip("{}").split(",") if n]
+        # Namespaced (the default) watches the release's namespace unless told others; cluster-wide, all.
+        namespaced = values.get("rbac.namespaced", "true") == "true"
+        assert args.namespace == (watched or (["hsx-system"] if namespaced else [])), name
         assert args.all_namespaces == (not args.namespace)
         assert args.verbose == (values.get("logLevel") == "debug")
         assert bool(args.peering) == (values.get("peering.enabled") == "true")
@@ -214,8 +217,17 @@ def test_namespaced_install_grants_job_rights_only_in_the_listed_namespaces() ->
         assert verbs <= {"get", "list", "watch"}, "cluster-wide rights must be read-only"
 
 
-def test_cluster_wide_install_binds_one_cluster_role_to_the_service_account() -> None:
+def test_the_default_install_manages_only_its_own_namespace() -> None:
     docs = render()
+    assert [r["metadata"]["namespace"] for r in find(docs, "Role")] == ["hsx-system"]
+    assert [b["metadata"]["namespace"] for b in find(docs, "RoleBinding")] == ["hsx-system"]
+    for role in find(docs, "ClusterRole"):  # only discovery: read-only, no jobs, pods or runs
+        assert not rules_of(role) & {("batch", "jobs"), ("", "pods"), ("hsx.dev", "extractionjobs")}, role
+    assert "--namespace=hsx-system" in operator_container(docs)["args"]
+
+
+def test_cluster_wide_install_binds_one_cluster_role_to_the_service_account() -> None:
+    docs = render(VALUE_SETS["cluster-wide"])
     assert not find(docs, "Role")
     (sa,) = find(docs, "ServiceAccount")
     bindings = find(docs, "ClusterRoleBinding")
@@ -342,7 +354,9 @@ def exported_metric_names() -> set[str]:
 def test_the_dashboard_and_pod_monitor_read_what_hsx_exports() -> None:
     docs = render({"metrics.extractorPodMonitor.enabled": "true", "metrics.grafanaDashboard.enabled": "true"})
     (monitor,) = find(docs, "PodMonitor")
-    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["hsx-system"]}  # where runs are managed
+    wide = render({"metrics.extractorPodMonitor.enabled": "true", "rbac.namespaced": "false"})
+    assert find(wide, "PodMonitor")[0]["spec"]["namespaceSelector"] == {"any": True}
     from hsx_operator.desired import Owner, desired_job
     from tests.operator.helpers import make_spec
 

@@ -54,13 +54,18 @@ def crds(kube_cluster: Any) -> None:
 
 @pytest.mark.parametrize(
     "values",
-    [{}, {"rbac.namespaced": "true"}, {"replicaCount": "2", "peering.enabled": "true", "logLevel": "debug"}],
-    ids=["cluster-wide", "namespaced", "peering"],
+    [
+        {"rbac.namespaced": "false"},
+        {"rbac.namespaced": "true"},
+        {},
+        {"replicaCount": "2", "peering.enabled": "true", "logLevel": "debug"},
+    ],
+    ids=["cluster-wide", "namespaced", "defaults", "peering"],
 )
 def test_rendered_chart_passes_a_server_side_dry_run(
     kube_cluster: Any, namespace: str, crds: None, values: dict[str, str], tmp_path: Path
 ) -> None:
-    if values.get("rbac.namespaced"):
+    if values.get("rbac.namespaced") == "true":
         values = {**values, "watchNamespaces": f"{{{namespace}}}"}
     rendered = tmp_path / "chart.yaml"
     rendered.write_text(

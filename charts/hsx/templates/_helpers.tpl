@@ -49,11 +49,20 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- default (include "hsx.fullname" .) .Values.peering.name -}}
 {{- end -}}
 
+{{/* The namespaces the operator watches, as JSON: watchNamespaces, else (namespaced RBAC, the default) the
+release's own namespace, else [] for all namespaces (rbac.namespaced=false, a ClusterRole). */}}
+{{- define "hsx.watchNamespaces" -}}
+{{- if .Values.watchNamespaces -}}
+{{- toJson .Values.watchNamespaces -}}
+{{- else if .Values.rbac.namespaced -}}
+{{- toJson (list .Release.Namespace) -}}
+{{- else -}}
+[]
+{{- end -}}
+{{- end -}}
+
 {{/* Combinations that would install something broken fail early, with a message that says why. */}}
 {{- define "hsx.checkValues" -}}
-{{- if and .Values.rbac.namespaced (empty .Values.watchNamespaces) -}}
-{{- fail "rbac.namespaced=true needs watchNamespaces: list the namespaces the operator may manage" -}}
-{{- end -}}
 {{- if and (gt (int .Values.replicaCount) 1) (not .Values.peering.enabled) -}}
 {{- fail "replicaCount > 1 needs peering.enabled=true: two standalone operators would reconcile the same jobs" -}}
 {{- end -}}
