@@ -222,6 +222,7 @@ def cmd_serve_reference(args: argparse.Namespace) -> int:
         args.delay_ms / 1000.0,
         args.enable_test_hooks,
         args.threads,
+        args.noise_seed,
     )
 
 
@@ -374,6 +375,10 @@ def parser() -> argparse.ArgumentParser:
         "--delay-ms", type=float, default=0.0, help="TEST HOOK: wait this long before each prefill"
     )
     p.add_argument("--enable-test-hooks", action="store_true", help="TEST HOOK: allow POST /hsx_test/fault")
+    p.add_argument(
+        "--noise-seed", type=int, default=None,
+        help="TEST HOOK: flip the last bit of random bf16 values, as a GPU's output differs from run to run",
+    )  # fmt: skip
     p.set_defaults(func=cmd_serve_reference)
 
     from hsx_extractor.tools.export import TRAINERS

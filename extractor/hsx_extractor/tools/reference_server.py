@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -125,6 +126,8 @@ class ReferenceModel:
         self._torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.model.eval()
+        self.noise: np.random.Generator | None = None  # set by --noise-seed (a test hook)
+        self._noise_lock = threading.Lock()
 
     def info(self) -> dict[str, Any]:
         return {
@@ -160,7 +163,12 @@ class ReferenceModel:
         finally:
             handle.remove()
         aux = torch.cat([states[j][0] for j in self.capture_layers], dim=-1)
-        return Forward(_bf16_bits(aux), _bf16_bits(final), int(out.logits[0, -1].argmax()), logprobs)
+        captured = (_bf16_bits(aux), _bf16_bits(final))
+        if self.noise is not None:  # TEST HOOK: a GPU's run-to-run differences, one bf16 ULP here and there
+            with self._noise_lock:
+                for bits in captured:
+                    bits ^= self.noise.integers(0, 2, size=bits.shape, dtype=np.uint16)
+        return Forward(*captured, int(out.logits[0, -1].argmax()), logprobs)
 
 
 @dataclass(frozen=True)
@@ -407,12 +415,15 @@ def run(
     delay_s: float,
     test_hooks: bool,
     threads: int | None,
+    noise_seed: int | None = None,
 ) -> int:
     import torch
 
     if threads:
         torch.set_num_threads(threads)
     model = ReferenceModel(model_dir, aux_layer_ids)
+    if noise_seed is not None:
+        model.noise = np.random.default_rng(noise_seed)
     server = ReferenceServer(model, dump_dir, fault, delay_s, test_hooks)
     try:
         asyncio.run(serve(server, host, port))
