@@ -18,6 +18,7 @@ from hsx_extractor.run.dataset import Prepared, Rejected, read_samples
 from hsx_extractor.run.sources import (
     CHUNK,
     DatasetError,
+    OversizedRow,
     SourceRow,
     _RangedFile,
     dataset_kind,
@@ -196,3 +197,23 @@ def test_a_parquet_row_with_a_huge_cell_never_reaches_the_tokenizer(tmp_path: Pa
     got = list(read_samples(iter_rows(str(path)), watching, 16))
     assert isinstance(got[1], Rejected) and got[1].reason == Reason.TOO_LONG, got[1]
     assert "at least" in got[1].detail and watching.longest < 1 << 20
+
+
+def test_a_parquet_row_past_the_cap_is_never_decoded_to_python(tmp_path: Path, tokenizer) -> None:
+    """With the reader's cap (row_bytes_limit), a row whose Arrow data is past it comes as its size only:
+    a 2M-id list would be ~9x its bytes as Python ints (issue 32, item 2). Rows around it are decoded."""
+    path = tmp_path / "d.parquet"
+    ids = list(range(2_000_000))
+    pq.write_table(pa.Table.from_pylist([
+        {"id": "a", "input_ids": [1, 40, 41], "loss_mask": [0, 1, 1]},
+        {"id": "huge", "input_ids": ids, "loss_mask": [1] * len(ids)},
+        {"id": "c", "input_ids": [1, 42], "loss_mask": [0, 1]},
+    ]), path)  # fmt: skip
+    rows = list(iter_rows(str(path), max_line=1 << 20))
+    assert isinstance(rows[0].data, dict) and isinstance(rows[2].data, dict)
+    assert isinstance(rows[1].data, OversizedRow) and rows[1].data.size > 16 << 20 and rows[1].line == 2
+    again = list(iter_rows(str(path), max_line=1 << 20))[1].data
+    assert again == rows[1].data  # the same digest each read: resume and the plan agree
+    got = list(read_samples(rows, tokenizer, 16))
+    assert [type(g).__name__ for g in got] == ["Prepared", "Rejected", "Prepared"], got
+    assert got[1].reason == Reason.TOO_LONG and got[1].line == 2

@@ -21,6 +21,8 @@ from hsx_extractor.storage.uris import open_uri_chunks, open_uri_source
 
 CHUNK = 8 << 20
 PARQUET_BATCH_ROWS = 256
+# Parquet rows decoded at once, by their row group's average size: a file of big rows holds ~this much.
+PARQUET_BATCH_BYTES = 64 << 20
 # The Parquet columns a row may use; others are never read.
 PARQUET_COLUMNS = ("id", "messages", "conversations", "system", "tools", "input_ids", "loss_mask")
 Kind = Literal["jsonl", "gzip", "zstd", "parquet"]
@@ -33,7 +35,8 @@ class DatasetError(RuntimeError):
 @dataclass(frozen=True)
 class OversizedRow:
     """A JSONL line longer than the reader's cap: read past, never held. Its digest is the xxh3-64 of
-    its bytes without the trailing line break, as :func:`~hsx_extractor.run.plan.row_digest` of a line."""
+    its bytes without the trailing line break, as :func:`~hsx_extractor.run.plan.row_digest` of a line.
+    A Parquet row past the cap (its Arrow bytes) is never decoded; its digest is of its size."""
 
     size: int
     digest: int
@@ -71,7 +74,7 @@ def iter_rows(uri: str, where: S3Endpoint | None = None, max_line: int | None = 
     ``max_line`` bytes of a line, however long the lines are."""
     _check_exists(uri)
     if dataset_kind(uri) == "parquet":
-        yield from _parquet_rows(uri, where)
+        yield from _parquet_rows(uri, where, max_line)
         return
     for number, line in enumerate(_raw_lines(uri, where, max_line), start=1):
         if isinstance(line, OversizedRow):
@@ -212,7 +215,10 @@ class _RangedFile(io.RawIOBase):
         return len(data)
 
 
-def _parquet_rows(uri: str, where: S3Endpoint | None) -> Iterator[SourceRow]:
+def _parquet_rows(uri: str, where: S3Endpoint | None, max_row: int | None) -> Iterator[SourceRow]:
+    """Each row decoded to Python, or, past ``max_row`` bytes of Arrow data, only its size: a huge cell is
+    never turned into Python objects (a list of ids would take ~9x its bytes). Its digest is of its size:
+    such a row is quarantined for its size whatever it holds."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -227,9 +233,18 @@ def _parquet_rows(uri: str, where: S3Endpoint | None) -> Iterator[SourceRow]:
         parquet = pq.ParquetFile(source)
         columns = [c for c in parquet.schema_arrow.names if c in PARQUET_COLUMNS]
         number = 0
-        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
-            for row in batch.to_pylist():
-                number += 1
-                yield SourceRow(number, row)
+        for group in range(parquet.num_row_groups):
+            meta = parquet.metadata.row_group(group)
+            average = max(1.0, meta.total_byte_size / max(1, meta.num_rows))
+            rows = max(1, min(PARQUET_BATCH_ROWS, int(PARQUET_BATCH_BYTES // average)))
+            for batch in parquet.iter_batches(batch_size=rows, row_groups=[group], columns=columns):
+                sizes = [batch.slice(i, 1).nbytes for i in range(batch.num_rows)]
+                if max_row is None or max(sizes, default=0) <= max_row:
+                    decoded = batch.to_pylist()
+                else:
+                    decoded = [None if size > max_row else batch.slice(i, 1).to_pylist()[0] for i, size in enumerate(sizes)]
+                for row, size in zip(decoded, sizes, strict=True):
+                    number += 1
+                    yield SourceRow(number, OversizedRow(size, xxhash.xxh3_64_intdigest(b"parquet:%d" % size)) if row is None else row)
     except (pa.ArrowException, OSError) as exc:
         raise DatasetError(f"dataset {uri}: cannot read it as Parquet: {exc}") from exc
