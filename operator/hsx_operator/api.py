@@ -10,14 +10,23 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hsx_extractor.config import RUN_ID_PATTERN, DatasetSpec, ExtractConfig, OutputSpec, ValidationSpec
 from hsx_extractor.sglang_hook.launch import OWNED_FLAGS
 from hsx_extractor.vllm_hook.launch import OWNED_FLAGS as VLLM_OWNED_FLAGS
 from hsx_operator.cel import cel, location_rules
 from hsx_operator.placement import SchedulingSpec
-from hsx_operator.pod_settings import PodSettings
+from hsx_operator.pod_settings import (
+    EXTRACTOR_ENV_DOC,
+    EXTRACTOR_ENV_RULE,
+    EXTRACTOR_OWN_ENV,
+    QUANTITY_PATTERN,
+    EnvVar,
+    PodSettings,
+    Resources,
+)
+from hsx_operator.pod_settings import MAX_TEXT as _STR
 from hsx_operator.server_flags import EXTRA_ARGS_RULE, IS_VLLM
 
 GROUP = "hsx.dev"
@@ -32,8 +41,6 @@ DEFAULT_SERVER_IMAGES = {"sglang": "ghcr.io/hsx-dev/hsx-sglang:0.1.0", "vllm": "
 DEFAULT_EXTRACTOR_IMAGE = "ghcr.io/hsx-dev/hsx-extractor:0.1.0"
 
 # Kubernetes resource quantity (1, 500m, 16Gi, 1.5e3, ...).
-QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(([KMGTPE]i)|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
-ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 ABS_PATH_PATTERN = r"^/.*$"
 
 # Fields the operator passes through to each pod's extractor config take that config's defaults.
@@ -44,7 +51,6 @@ MAX_SHM = "4Ti"
 MAX_DUMP_DIR_BYTES = 4 << 40
 
 # Bounds keep CEL's estimated cost within the API server's budget (it prices by maximum size).
-_STR = 4096
 _LIST = 64
 
 
@@ -155,36 +161,6 @@ class ModelSpec(_Spec):
         max_length=8,
         json_schema_extra={"items": {"type": "integer", "minimum": 0, "maximum": 1023}},
     )
-
-
-class EnvVar(_Spec):
-    """One environment variable with a literal value."""
-
-    name: str = Field(description="Variable name.", pattern=ENV_NAME_PATTERN, max_length=256)
-    value: str = Field(default="", description="Variable value.", max_length=_STR)
-
-
-class Resources(_Spec):
-    """Compute resources of one container, as in a Pod spec (quantities such as 32, 500m, 64Gi)."""
-
-    requests: dict[str, str] = Field(
-        default_factory=dict,
-        description="Minimum resources the scheduler reserves, by resource name.",
-        json_schema_extra={
-            "additionalProperties": {"type": "string", "pattern": QUANTITY_PATTERN, "maxLength": 64},
-            "maxProperties": 16,
-        },
-    )
-    limits: dict[str, str] = Field(
-        default_factory=dict,
-        description="Maximum resources, by resource name.",
-        json_schema_extra={
-            "additionalProperties": {"type": "string", "pattern": QUANTITY_PATTERN, "maxLength": 64},
-            "maxProperties": 16,
-        },
-    )
-
-
 
 
 class ServerSpec(_Spec):
@@ -322,6 +298,15 @@ class ExtractorSpec(_Spec):
         le=MAX_DUMP_DIR_BYTES,
         description="Back-pressure: fewer requests are sent while waiting dumps exceed this many bytes.",
     )
+    env: list[EnvVar] = Field(default_factory=list, description=EXTRACTOR_ENV_DOC, max_length=_LIST,
+                              json_schema_extra={"x-kubernetes-validations": [EXTRACTOR_ENV_RULE]})  # fmt: skip
+
+    @field_validator("env")
+    @classmethod
+    def _not_hsx_own(cls, env: list[EnvVar]) -> list[EnvVar]:  # the CRD's rule, for `hsx render` and the operator
+        if taken := sorted({e.name for e in env} & set(EXTRACTOR_OWN_ENV)):
+            raise ValueError(f"extractor.env may not set hsx's own variables: {taken}")
+        return env
 
 
 # Fields that are always present (required or defaulted) compare directly; optional scalars through

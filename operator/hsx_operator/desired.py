@@ -371,7 +371,11 @@ def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None =
         "image": spec.extractor.image,
         "imagePullPolicy": spec.extractor.imagePullPolicy,
         "command": ["hsx", "extract", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
-        "env": [{"name": "TMPDIR", "value": SCRATCH_DIR}, *_credentials_env(spec)],
+        "env": [
+            *(e.model_dump() for e in spec.extractor.env),
+            {"name": "TMPDIR", "value": SCRATCH_DIR},
+            *_credentials_env(spec),
+        ],
         "ports": [{"name": "progress", "containerPort": spec.extractor.progressPort}],
         "resources": _resources(
             spec.extractor.resources.requests, spec.extractor.resources.limits, EXTRACTOR_DEFAULT_REQUESTS

@@ -1,5 +1,6 @@
-"""The spec's ``pod`` block: pod-level settings passed through to every run pod, narrow and validated
-(what a cluster needs of a pod: its identity, pull secrets, labels, runtime class, a private CA)."""
+"""Settings passed through to the run's pods, narrow and validated: the spec's ``pod`` block (what a cluster
+needs of a pod: its identity, pull secrets, labels, runtime class, a private CA) and the containers' own
+environment and resources."""
 
 from __future__ import annotations
 
@@ -7,12 +8,31 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from hsx_extractor.contract import DATASET_CREDENTIALS_ENV
+from hsx_operator.cel import cel
+
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 # Label and annotation keys hsx sets itself, which a user's must not replace.
 RESERVED_PREFIXES = ("hsx.dev/", "app.kubernetes.io/", "kueue.x-k8s.io/", "batch.kubernetes.io/")
 # Bounded so the spec's CEL rules stay within the API server's cost budget (it prices by maximum size).
 _LABELS: dict[str, Any] = {"maxProperties": 16, "additionalProperties": {"type": "string", "maxLength": 63}}
 _ANNOTATIONS: dict[str, Any] = {"maxProperties": 16, "additionalProperties": {"type": "string", "maxLength": 1024}}
+QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(([KMGTPE]i)|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+MAX_TEXT = 4096  # the longest free-text field of a spec
+# What hsx sets in the extractor's environment itself (desired.py: scratch, the S3 CA, credentials, the
+# dataset's credentials): a user's extractor.env may not replace it.
+EXTRACTOR_OWN_ENV = (
+    "TMPDIR", "AWS_CA_BUNDLE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", *DATASET_CREDENTIALS_ENV,
+)  # fmt: skip
+EXTRACTOR_ENV_DOC = (
+    "Extra environment of the extractor and its preflight (a proxy: HTTPS_PROXY, NO_PROXY; the AWS SDK's own "
+    f"settings such as AWS_STS_REGIONAL_ENDPOINTS). hsx's own names are refused: {', '.join(EXTRACTOR_OWN_ENV)}."
+)
+EXTRACTOR_ENV_RULE = cel(
+    "self.all(e, !(e.name in [" + ", ".join(f"'{n}'" for n in EXTRACTOR_OWN_ENV) + "]))",
+    f"extractor.env may not set hsx's own variables ({', '.join(EXTRACTOR_OWN_ENV)})",
+)
 # Where a CA bundle from a ConfigMap is mounted in the extractor's containers.
 # Beside, not inside, the config ConfigMap at /etc/hsx: a read-only volume cannot hold another mount point.
 CA_DIR = "/etc/hsx-ca"
@@ -80,3 +100,31 @@ class PodSettings(_Spec):
         if taken:
             raise ValueError(f"pod.{info.field_name} must not use hsx's own prefixes {', '.join(RESERVED_PREFIXES)}: {taken}")
         return value
+
+
+class EnvVar(_Spec):
+    """One environment variable with a literal value."""
+
+    name: str = Field(description="Variable name.", pattern=ENV_NAME_PATTERN, max_length=256)
+    value: str = Field(default="", description="Variable value.", max_length=MAX_TEXT)
+
+
+class Resources(_Spec):
+    """Compute resources of one container, as in a Pod spec (quantities such as 32, 500m, 64Gi)."""
+
+    requests: dict[str, str] = Field(
+        default_factory=dict,
+        description="Minimum resources the scheduler reserves, by resource name.",
+        json_schema_extra={
+            "additionalProperties": {"type": "string", "pattern": QUANTITY_PATTERN, "maxLength": 64},
+            "maxProperties": 16,
+        },
+    )
+    limits: dict[str, str] = Field(
+        default_factory=dict,
+        description="Maximum resources, by resource name.",
+        json_schema_extra={
+            "additionalProperties": {"type": "string", "pattern": QUANTITY_PATTERN, "maxLength": 64},
+            "maxProperties": 16,
+        },
+    )

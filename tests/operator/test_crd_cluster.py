@@ -95,6 +95,11 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         _with("server.env", [{"name": "1BAD", "value": "x"}]),
         "spec.server.env[0].name: Invalid value",
     ),
+    (
+        "extractor-env-hsx-own",
+        _with("extractor.env", [{"name": "HTTPS_PROXY", "value": "x"}, {"name": "AWS_CA_BUNDLE", "value": "/x"}]),
+        "extractor.env may not set hsx's own variables",
+    ),
     ("shm-not-a-quantity", _with("server.shmSize", "lots"), "spec.server.shmSize: Invalid value"),
     ("shm-absurd", _with("server.shmSize", "9999999Ei"), "server.shmSize must be at most 4Ti"),
     (
@@ -253,7 +258,7 @@ def test_cross_field_rules_let_sound_specs_through(xj_crd: Any, namespace: str) 
         "resources": {"limits": {"memory": "64Gi"}},
         "extraArgs": ["--mem-fraction-static=0.8", "--trust-remote-code", "--context-length", "4096"],
     }
-    doc["spec"]["extractor"] = {"dumpDirMaxBytes": 16 << 30}
+    doc["spec"]["extractor"] = {"dumpDirMaxBytes": 16 << 30, "env": [{"name": "HTTPS_PROXY", "value": "http://p:3128"}]}
     doc["spec"]["pod"] = {"serviceAccountName": "s3-reader", "imagePullSecrets": ["registry"], "labels": {"team": "ml"},
                           "annotations": {"example.com/cost": "a"}, "runtimeClassName": "nvidia",
                           "caBundleConfigMap": "corp-ca"}  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from hsx_extractor.config import ExtractConfig
@@ -369,3 +370,21 @@ def test_the_server_requests_cpu_and_memory_by_its_gpus_unless_the_spec_names_th
     # A limit alone makes the request (Kubernetes copies it): no default beside it.
     assert named["requests"] == {"cpu": "40", "nvidia.com/gpu": "2"}, named
     assert named["limits"] == {"memory": "900Gi", "nvidia.com/gpu": "2"}, named
+
+
+def test_extractor_env_passes_to_the_extractor_and_its_preflight_and_hsx_names_are_its_own() -> None:
+    from pydantic import ValidationError
+
+    from hsx_operator.pod_settings import EXTRACTOR_OWN_ENV
+
+    proxy = [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}, {"name": "NO_PROXY", "value": ".cluster.local"}]
+    spec = make_spec(extractor={"env": proxy}, pod={"caBundleConfigMap": "ca"},
+                     dataset={"uri": "s3://data/chat.jsonl", "credentialsSecret": "data-creds"})  # fmt: skip
+    pod = desired_job(Owner(name="xj", namespace="ml", uid="u"), spec)["spec"]["template"]["spec"]
+    for container in (pod["containers"][0], pod["initContainers"][0]):
+        assert container["env"][:2] == proxy, container["name"]
+        # Every other name the extractor gets is hsx's own, which a user's env may not replace.
+        assert {e["name"] for e in container["env"][2:]} <= set(EXTRACTOR_OWN_ENV), container["env"]
+    assert all(e["name"] != "HTTPS_PROXY" for e in pod["initContainers"][1]["env"])  # not the server's
+    with pytest.raises(ValidationError, match="hsx's own variables"):
+        make_spec(extractor={"env": [{"name": "AWS_ACCESS_KEY_ID", "value": "x"}]})
