@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import rmtree, scratch, write_result
+from bench.common import read_hwm, rmtree, scratch, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -36,17 +36,6 @@ MAX_LENGTH = 8192
 CELL_FACTOR_BOUND = 3.0
 PICKLED_BYTES_PER_SHARD_BOUND = 256
 WORKER_RSS_BOUND = 64 * MIB
-
-
-def rss_hwm(pid: int | str = "self") -> int:
-    """VmHWM of a process, in bytes (0 when it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 # ---- 1. Parquet -------------------------------------------------------------------------------
@@ -87,13 +76,13 @@ def read_child(path: str, tokenizer: str) -> dict[str, Any]:
     from hsx_extractor.run.tokens import ChatTokenizer
 
     tok = ChatTokenizer(tokenizer)
-    before = rss_hwm()
+    before = read_hwm(os.getpid())
     reasons: dict[str, int] = {}
     started = time.perf_counter()
     for item in read_samples(iter_rows(path, max_line=row_bytes_limit(MAX_LENGTH)), tok, MAX_LENGTH):
         key = str(item.reason) if isinstance(item, Rejected) else "sample"
         reasons[key] = reasons.get(key, 0) + 1
-    return {"addedBytes": rss_hwm() - before, "baseBytes": before, "outcomes": reasons,
+    return {"addedBytes": read_hwm(os.getpid()) - before, "baseBytes": before, "outcomes": reasons,
             "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
 
 
@@ -157,7 +146,7 @@ def loader_child(uri: str, workers: int) -> dict[str, Any]:
             for entry in Path("/proc").iterdir():
                 try:
                     if entry.name.isdigit() and (entry / "stat").read_text().split()[3] == me:
-                        peaks[int(entry.name)] = max(peaks.get(int(entry.name), 0), rss_hwm(entry.name))
+                        peaks[int(entry.name)] = max(peaks.get(int(entry.name), 0), read_hwm(int(entry.name)))
                 except (OSError, IndexError):
                     continue
             time.sleep(0.05)
@@ -182,7 +171,7 @@ def idle_worker_child(workers: int) -> dict[str, Any]:
             return workers
 
         def __getitem__(self, i: int) -> int:
-            return rss_hwm()
+            return read_hwm(os.getpid())
 
     peaks = list(torch.utils.data.DataLoader(Nothing(), batch_size=None, num_workers=workers))
     return {"workerPeaks": [int(p) for p in peaks]}

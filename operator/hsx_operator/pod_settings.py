@@ -109,22 +109,21 @@ class EnvVar(_Spec):
     value: str = Field(default="", description="Variable value.", max_length=MAX_TEXT)
 
 
+# Resource name -> quantity, as a Pod spec has them; bounded so CEL's cost estimate stays small.
+_QUANTITIES: dict[str, Any] = {
+    "additionalProperties": {"type": "string", "pattern": QUANTITY_PATTERN, "maxLength": 64},
+    "maxProperties": 16,
+}
+
+
 class Resources(_Spec):
     """Compute resources of one container, as in a Pod spec (quantities such as 32, 500m, 64Gi)."""
 
     requests: dict[str, str] = Field(
         default_factory=dict,
         description="Minimum resources the scheduler reserves, by resource name.",
-        json_schema_extra={
-            "additionalProperties": {"type": "string", "pattern": QUANTITY_PATTERN, "maxLength": 64},
-            "maxProperties": 16,
-        },
+        json_schema_extra=_QUANTITIES,
     )
     limits: dict[str, str] = Field(
-        default_factory=dict,
-        description="Maximum resources, by resource name.",
-        json_schema_extra={
-            "additionalProperties": {"type": "string", "pattern": QUANTITY_PATTERN, "maxLength": 64},
-            "maxProperties": 16,
-        },
+        default_factory=dict, description="Maximum resources, by resource name.", json_schema_extra=_QUANTITIES
     )

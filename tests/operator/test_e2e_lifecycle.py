@@ -9,12 +9,11 @@ covers on the real API server; it needs no operator, so there is no e2e case for
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +203,18 @@ def test_deleting_a_running_job_removes_its_objects_and_keeps_its_data(
     assert planned_shards(run_dir) > len(store.committed_shards()), "the run was not cut short"
 
 
+@pytest.fixture
+def onprem_s3(s3_server: Any, hsx_node: Any, tmp_path: Path) -> Iterator[tuple[FaultProxy, Path]]:
+    """An on-prem store: HTTPS with a certificate of the cluster's own CA (the CA's PEM beside it); the proxy
+    terminates TLS in front of the real S3 server."""
+    ca = CertificateAuthority("hsx-onprem-s3-ca")
+    serving = ca.issue("s3.onprem", ip_addresses=[hsx_node.net.gateway, "127.0.0.1"], server=True)
+    (tmp_path / "ca.crt").write_bytes(ca.cert_pem)
+    tls = serving_context(serving.cert_pem, serving.key_pem, tmp_path)
+    with FaultProxy(s3_server.endpoint, FaultPlan(seed=0, rate=0.0), tls) as proxy:
+        yield proxy, tmp_path / "ca.crt"
+
+
 def test_run_with_s3_over_https_signed_by_a_private_ca_and_a_credentials_secret(
     ns: Namespace,
     run_env: dict[str, Any],
@@ -211,30 +222,11 @@ def test_run_with_s3_over_https_signed_by_a_private_ca_and_a_credentials_secret(
     hsx_node: Any,
     s3_server: Any,
     s3_bucket: str,
-    tmp_path: Path,
+    onprem_s3: tuple[FaultProxy, Path],
 ) -> None:
-    with contextlib.ExitStack() as stack:
-        _run_over_https(stack, ns, run_env, start_operator, hsx_node, s3_server, s3_bucket, tmp_path)
-
-
-def _run_over_https(
-    stack: contextlib.ExitStack[Any],
-    ns: Namespace,
-    run_env: dict[str, Any],
-    start_operator: Callable[[], OperatorProcess],
-    hsx_node: Any,
-    s3_server: Any,
-    s3_bucket: str,
-    tmp_path: Path,
-) -> None:
-    # An on-prem store: HTTPS with a certificate of the cluster's own CA, which the pods learn from a
-    # ConfigMap (spec.pod.caBundleConfigMap); the proxy terminates TLS in front of the real S3 server.
-    ca = CertificateAuthority("hsx-onprem-s3-ca")
-    serving = ca.issue("s3.onprem", ip_addresses=[hsx_node.net.gateway, "127.0.0.1"], server=True)
-    (tmp_path / "ca.crt").write_bytes(ca.cert_pem)
-    ns.kubectl("create", "configmap", "s3-ca", f"--from-file=ca.crt={tmp_path / 'ca.crt'}")
-    tls = serving_context(serving.cert_pem, serving.key_pem, tmp_path)
-    proxy = stack.enter_context(FaultProxy(s3_server.endpoint, FaultPlan(seed=0, rate=0.0), tls))
+    # The pods learn the store's CA only from a ConfigMap (spec.pod.caBundleConfigMap).
+    proxy, ca_file = onprem_s3
+    ns.kubectl("create", "configmap", "s3-ca", f"--from-file=ca.crt={ca_file}")
     port = int(proxy.endpoint.rsplit(":", 1)[1])
     pod_endpoint = f"https://{hsx_node.forward_host_port(port)}"  # pods have their own network namespace
     ns.kubectl(

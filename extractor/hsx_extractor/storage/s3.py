@@ -351,14 +351,19 @@ class S3Backend:
                 "what a run reads must stay as it is until the run ends; restore it or start a new runId"
             ) from exc
 
-    def size(self, key: str) -> int | None:
+    def head(self, key: str) -> dict[str, Any] | None:
+        """Size and ETag of an object (one HEAD); None when there is none."""
         try:
             resp = self.retrier.call(
                 "HeadObject", key, lambda: self.client.head_object(Bucket=self.bucket, Key=key), (NOT_FOUND,)
             )
         except botocore.exceptions.ClientError:
             return None
-        return int(resp["ContentLength"])
+        return {"size": int(resp["ContentLength"]), "etag": str(resp.get("ETag", "")).strip('"')}
+
+    def size(self, key: str) -> int | None:
+        found = self.head(key)
+        return None if found is None else int(found["size"])
 
     def stat(self, key: str) -> dict[str, Any]:
         """Size and ETag of an object: what tells a changed object from an unchanged one."""
@@ -411,9 +416,9 @@ class S3Backend:
 
     def iter_object(self, key: str, chunk_size: int) -> Iterator[bytes]:
         """The object front to back, every ranged read pinned to the ETag it had when reading began."""
-        if self.size(key) is None:
+        version = self.head(key)
+        if version is None:
             raise PermanentStoreError(f"s3://{self.bucket}/{key} does not exist")
-        version = self.stat(key)
         size, etag = int(version["size"]), str(version["etag"]) or None
         for offset in range(0, size, chunk_size):
             yield self.get_range(key, offset, min(chunk_size, size - offset), etag)

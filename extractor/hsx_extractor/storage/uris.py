@@ -66,12 +66,12 @@ class _ObjectRanges:
 
     def __init__(self, backend: Any, key: str, description: str) -> None:
         self._backend, self._key = backend, key
-        size = backend.size(key)
-        if size is None:
+        head = getattr(backend, "head", None)  # S3: size and the ETag every ranged read is pinned to, one HEAD
+        found = head(key) if head else {"size": backend.size(key)}
+        if found is None or found["size"] is None:
             raise PermanentStoreError(f"{description} does not exist")
-        self._size = int(size)
-        stat = getattr(backend, "stat", None)  # S3: every ranged read is pinned to the ETag it has now
-        self._pinned = (str(stat(key).get("etag") or "") or None) if stat else None
+        self._size = int(found["size"])
+        self._pinned = str(found.get("etag") or "") or None
 
     @property
     def size(self) -> int:
