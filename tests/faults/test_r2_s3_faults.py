@@ -26,7 +26,7 @@ def test_extract_through_s3_faults_completes_and_verifies(
     s3_env.client().upload_file(str(local), s3_bucket, "datasets/chat.jsonl")
     server = RefServerProcess(fault_model, tmp_path / "dumps", free_port(), tmp_path / "server.log")
     server.start()
-    plan = FaultPlan(seed=seed, rate=0.1, faults=FAULTS, slow_seconds=0.3)
+    plan = FaultPlan(seed=seed, rate=0.1, faults=FAULTS, slow_seconds=0.3, fault_every=15)
     try:
         with FaultProxy(s3_env.endpoint, plan) as proxy:
             output = {"uri": f"s3://{s3_bucket}/r2", "endpoint": proxy.endpoint, "pathStyle": True,

@@ -71,6 +71,9 @@ class FaultPlan:
     slow_seconds: float = 0.3
     slow_matching: str | None = None
     injections: list[Injection] = field(default_factory=list)
+    # Every Nth request gets a fault too (its kind drawn as the others'), so a run of a few dozen requests
+    # meets some whatever the seed: at rate 0.1, 61 requests draw fewer than 3 faults ~5% of the time.
+    fault_every: int = 0
     strip_if_none_match: bool = False
     secret_key: str = ""  # to sign requests again once a header is stripped
 
@@ -177,7 +180,8 @@ class FaultProxy:
 
     def _pick(self, target: str) -> str | None:
         self.counts["requests"] += 1
-        if self._random.random() >= self.plan.rate:
+        forced = bool(self.plan.fault_every) and self.counts["requests"] % self.plan.fault_every == 0
+        if self._random.random() >= self.plan.rate and not forced:
             return "slow" if self.plan.slow_matching and self.plan.slow_matching in target else None
         fault = self._random.choice(self.plan.faults)
         self.counts[fault] += 1
