@@ -43,8 +43,17 @@ def test_run_key_parses_back_exactly_even_when_the_run_id_looks_like_one(run_id:
 def test_owner_of_foreign_rids_is_none() -> None:
     for rid in ("mine", "hsx-run1-r0-42-a0", "hsx-x-r1-zz-1-a0", "hsx--1-a0"):
         assert p.owner_of(rid) is None
-    assert not p.RunKey("job", 1, "aa").same_replica(p.RunKey("job-r1", 0, "aa"))
-    assert p.RunKey("job", 1, "aa").same_replica(p.RunKey("job", 1, "bb"))
+    assert not p.RunKey("job", 1, "aa").same_slot(p.RunKey("job-r1", 0, "aa"))
+    assert p.RunKey("job", 1, "aa").same_slot(p.RunKey("job", 1, "bb"))
+
+
+def test_workers_of_one_pod_are_slots_of_their_own() -> None:
+    """Sibling workers of one replica share a dump directory: a worker must neither count nor sweep another's
+    dumps, and worker 0's rids are those of a pod without workers."""
+    w0, w2 = p.RunKey("job", 1, "aa"), p.RunKey("job", 1, "bb", worker=2)
+    assert (w0.text, w2.text) == ("job-r1-aa", "job-r1w2-bb")
+    assert p.owner_of(p.make_rid(w2, 5, 0)) == w2 and p.RunKey.parse("job-r1w2-bb") == w2
+    assert not w0.same_slot(w2) and w2.same_slot(p.RunKey("job", 1, "cc", worker=2))
 
 
 @pytest.mark.parametrize("bad", ["", "../x", "a/b", ".hidden", "a b", "x" * 201, "a..b"])

@@ -341,7 +341,19 @@ class ExtractConfig(_Spec):
     )
     replicaIndex: int = Field(0, ge=0, description="This pod's index among parallel replicas.")
     replicaCount: int = Field(
-        1, ge=1, description="Number of parallel replicas; shard k goes to replica k % count."
+        1, ge=1, description="Number of parallel replicas the run was started with (shards are leased, "
+        "not assigned: any replica works on any shard; the manifest records this count)."
+    )
+    workers: int = Field(
+        1, ge=1, le=32, description="Extractor processes (each its own interpreter, leasing shards on its own) "
+        "that `hsx extract` runs and supervises; their progress is served as one.",
+    )
+    workerIndex: int | None = Field(
+        None, ge=0, lt=32, description="Set by the supervisor for each of its workers; not for users.",
+    )
+    leaseSeconds: float = Field(
+        60.0, gt=0, le=3600, description="A shard lease not renewed for this long (as each replica observes "
+        "it, on its own clock) is taken over by another replica (run/leases.py); renewed every quarter of it.",
     )
     progressPort: int = Field(8080, ge=0, le=65535, description="Port of /progress and /metrics (0: off).")
     progressHost: str = Field("0.0.0.0", description="Address the progress server binds to.")

@@ -34,7 +34,9 @@ TERMINATION_MESSAGE_LIMIT = 4096
 class ProgressReport(BaseModel):
     """One extractor's progress: the body of GET /progress and of the termination message.
 
-    Counts cover this replica's shards; samples of shards committed before a restart count as done.
+    Counts cover the whole run as this process has seen it (shards are leased, and it counts the shards
+    other processes commit): samples of shards committed before a restart or by others count as done;
+    tokens, rates and shardsLeased are this process's own work.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -58,6 +60,8 @@ class ProgressReport(BaseModel):
     # JSONL, by bytes); None when unknown. Progress and ETA use it until the plan gives the real total.
     samplesTotalEstimate: int | None = None
     requestsInFlight: int = 0
+    # Shards this process holds a live lease on (run/leases.py): what it is working on now.
+    shardsLeased: int = 0
     lastError: str | None = None
     # Why a failed run stopped, when it has a name of its own (DatasetRejected, CaptureInconsistent): the
     # operator's status reason.
@@ -95,3 +99,32 @@ PROGRESS_COUNTERS = (
 PROGRESS_RATES = ("samplesPerSecond", "tokensPerSecond")
 # Flags a progress report carries beside its counters.
 PROGRESS_FLAGS = ("planning",)
+# What a replica holds now, summed over the replicas still running.
+PROGRESS_GAUGES = ("shardsLeased",)
+# Counters every process reports for the whole run (the largest report is the run's); the rest of
+# PROGRESS_COUNTERS is each process's own work (summed).
+RUN_WIDE_COUNTERS = tuple(k for k in PROGRESS_COUNTERS if k != "tokensDone")
+
+
+def merge_reports(reports: list[ProgressReport]) -> ProgressReport:
+    """The reports of several processes of one pod (extractor workers) as one: the largest run-wide
+    counts, summed work, pace and what is held now; failed if any failed, running while any runs."""
+    if not reports:
+        return ProgressReport()
+    largest = max(reports, key=lambda r: (r.samplesDone, r.samplesQuarantined))
+    merged = largest.model_copy()
+    for key in RUN_WIDE_COUNTERS:
+        setattr(merged, key, max(getattr(r, key) for r in reports))
+    for key in ("tokensDone", *PROGRESS_RATES, *PROGRESS_GAUGES, "requestsInFlight"):
+        setattr(merged, key, sum(getattr(r, key) for r in reports))
+    merged.consistencyChecked = max(r.consistencyChecked for r in reports)
+    merged.consistencyFailed = max(r.consistencyFailed for r in reports)
+    states = {r.state for r in reports}
+    merged.state = next(s for s in ("failed", "running", "starting", "succeeded") if s in states)
+    failed = [r for r in reports if r.state == "failed"]
+    merged.lastError = next((r.lastError for r in failed + reports if r.lastError), None)
+    merged.failureReason = next((r.failureReason for r in failed if r.failureReason), None)
+    merged.planning = any(r.planning for r in reports)
+    left = max(merged.samplesTotal - merged.samplesDone, 0)
+    merged.etaSeconds = round(left / merged.samplesPerSecond, 1) if merged.samplesPerSecond > 0 else None
+    return merged

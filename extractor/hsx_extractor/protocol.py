@@ -73,39 +73,46 @@ def validate_rid(rid: str) -> str:
 
 @dataclass(frozen=True)
 class RunKey:
-    """Who sends a rid: run, replica and one extractor process (``{run_id}-r{replica}-{process}``).
+    """Who sends a rid: run, replica (pod), worker in the pod and one extractor process
+    (``{run_id}-r{replica}-{process}``, or ``{run_id}-r{replica}w{worker}-{process}`` for worker > 0).
 
-    ``process`` is fresh hex per extractor process, so a restarted extractor never reuses a rid the
-    server has seen, and the dumps of a dead earlier process of the same replica can be told from
-    the live one's. Parsed from the right (the process is hex, the replica ``r`` + digits), so a
-    runId that itself looks like ``job-r1`` is never taken for replica 1 of ``job``.
+    Replica and worker are a *slot*: one live process at a time. ``process`` is fresh hex per extractor
+    process, so a restarted extractor never reuses a rid the server has seen, and the dumps of a dead
+    earlier process of the same slot can be told from the live one's (and from its sibling workers').
+    Parsed from the right (the process is hex, the slot ``r`` + digits), so a runId that itself looks
+    like ``job-r1`` is never taken for replica 1 of ``job``.
     """
 
     run_id: str
     replica: int
     process: str
+    worker: int = 0
 
     def __post_init__(self) -> None:
-        if not self.run_id or self.replica < 0 or not _PROCESS_RE.match(self.process):
+        if not self.run_id or self.replica < 0 or self.worker < 0 or not _PROCESS_RE.match(self.process):
             raise ProtocolError(f"invalid run key parts {self.run_id!r}, {self.replica!r}, {self.process!r}")
 
     @property
-    def text(self) -> str:
-        return f"{self.run_id}-r{self.replica}-{self.process}"
+    def slot(self) -> str:
+        return f"r{self.replica}" + (f"w{self.worker}" if self.worker else "")
 
-    def same_replica(self, other: RunKey) -> bool:
-        return (self.run_id, self.replica) == (other.run_id, other.replica)
+    @property
+    def text(self) -> str:
+        return f"{self.run_id}-{self.slot}-{self.process}"
+
+    def same_slot(self, other: RunKey) -> bool:
+        return (self.run_id, self.replica, self.worker) == (other.run_id, other.replica, other.worker)
 
     @classmethod
     def parse(cls, text: str) -> RunKey:
         m = _RUN_KEY_RE.match(text)
         if not m:
-            raise ProtocolError(f"run key {text!r} is not {{runId}}-r{{replica}}-{{process}}")
-        return cls(m.group(1), int(m.group(2)), m.group(3))
+            raise ProtocolError(f"run key {text!r} is not {{runId}}-r{{replica}}[w{{worker}}]-{{process}}")
+        return cls(m.group(1), int(m.group(2)), m.group(4), int(m.group(3) or 0))
 
 
 _PROCESS_RE = re.compile(r"^[0-9a-f]{1,32}$")
-_RUN_KEY_RE = re.compile(r"^(.+)-r(\d+)-([0-9a-f]{1,32})$")
+_RUN_KEY_RE = re.compile(r"^(.+)-r(\d+)(?:w(\d+))?-([0-9a-f]{1,32})$")
 
 
 def make_rid(run_key: str | RunKey, sample_index: int, attempt: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -119,6 +120,12 @@ def stored(output: dict[str, Any], run_id: str) -> tuple[dict[int, SampleRecord]
             assert q.index not in quarantined and q.index not in samples, f"row {q.index} twice"
             quarantined[q.index] = q.reason
     return samples, quarantined
+
+
+def committed_by(log: str) -> list[int]:
+    """The shards the last ``hsx extract`` in ``log`` committed or adopted ('this process committed shards')."""
+    found = re.findall(r"this process committed shards \[([0-9, ]*)\]", log)
+    return [int(k) for k in found[-1].split(",") if k.strip()] if found else []
 
 
 def committed_count(output: dict[str, Any], run_id: str) -> int:

@@ -371,19 +371,43 @@ def test_rerun_is_a_no_op_and_other_settings_are_refused(tmp_path: Path, ref_ser
     assert code == EXIT_PERMANENT and "maxLength: stored 512, now 100" in (progress.last_error or "")
 
 
-def test_replicas_split_the_shards_and_the_last_one_finalizes(tmp_path: Path, ref_server: RefServer) -> None:
+def test_a_replica_alone_leases_every_shard(tmp_path: Path, ref_server: RefServer) -> None:
+    """Issue 34 item 1: shards are leased, not assigned: replica 1 of 2 with no one else there does every
+    shard and writes the manifest; the lease objects are gone once it is written."""
     dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(30, words=40))
     first = base_config(tmp_path, ref_server, dataset, replicaCount=2, replicaIndex=1)
-    code, result, _ = run(first)
-    assert code == EXIT_OK and result is not None and result.manifest is None
-    plan = json.loads((tmp_path / "out" / "run" / "plan.json").read_text())
-    assert len(plan["shards"]) >= 2
-    assert result.shards_done == [k for k in range(len(plan["shards"])) if k % 2 == 1]
-    code, result, _ = run({**first, "replicaIndex": 0})
+    code, result, progress = run(first)
     assert code == EXIT_OK and result is not None and result.manifest is not None
-    samples, quarantined = stored(first)
-    assert sorted(samples) == list(range(30)) and not quarantined
+    plan = json.loads((tmp_path / "out" / "run" / "plan.json").read_text())
+    assert len(plan["shards"]) >= 2 and result.shards_done == list(range(len(plan["shards"])))
+    assert progress.samples_done == progress.samples_total == 30
+    leftover = [p for p in (tmp_path / "out" / "run" / "leases").rglob("*") if p.is_file()]
+    assert not leftover, f"lease objects outlived the manifest: {leftover}"
     verified(first)
+
+
+def test_two_replicas_lease_disjoint_work_and_both_report_the_run(tmp_path: Path, ref_server: RefServer) -> None:
+    """Two replicas at once on one run: each sample is stored once, and each replica's progress is the
+    run's (it counts the shards the other commits), so the operator takes the largest, not the sum."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(80, words=40))
+    cfgs = [base_config(tmp_path, ref_server, dataset, replicaCount=2, replicaIndex=r, concurrency=2,
+                        leaseSeconds=2) for r in (0, 1)]  # fmt: skip
+    progresses = [Progress("run", r) for r in (0, 1)]
+
+    async def both() -> list[tuple[int, RunResult | None]]:
+        return await asyncio.gather(*(extract(ExtractConfig.model_validate(c), p)
+                                      for c, p in zip(cfgs, progresses, strict=True)))  # fmt: skip
+
+    outcomes = asyncio.run(both())
+    assert [code for code, _ in outcomes] == [EXIT_OK, EXIT_OK]
+    shards = len(json.loads((tmp_path / "out" / "run" / "plan.json").read_text())["shards"])
+    done = [set(result.shards_done) for _, result in outcomes if result is not None]
+    assert done[0] | done[1] == set(range(shards)) and shards >= 4, (done, shards)
+    assert all(done), f"one replica did nothing: {done}"  # leases are taken as each reaches a shard
+    assert all(p.samples_done == p.samples_total == 80 for p in progresses), [p.report() for p in progresses]
+    samples, quarantined = stored(cfgs[0])
+    assert sorted(samples) == list(range(80)) and not quarantined
+    verified(cfgs[0])
 
 
 def test_a_run_leaves_the_dumps_of_a_run_whose_id_extends_its_own(tmp_path: Path, ref_server: RefServer) -> None:

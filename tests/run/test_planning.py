@@ -198,8 +198,8 @@ def test_the_bytes_read_estimate_the_total_and_the_eta_while_planning(tmp_path: 
 
 
 def test_replicas_plan_ahead_with_turns_that_straddle_shards(tmp_path: Path, ref_server: RefServer) -> None:
-    """expandTurns: one row's samples may fall in two shards of two replicas; each replica extracts only its
-    own shards' samples, and together they hold every sample once."""
+    """expandTurns: one row's samples may fall in two shards leased by two replicas running at once; each
+    replica extracts only its own shards' samples, and together they hold every sample once."""
     rows = []
     for i in range(40):
         words = " ".join(["alpha beta gamma delta capital plus times code tests small"] * (1 + i * 7 % 5))
@@ -209,19 +209,23 @@ def test_replicas_plan_ahead_with_turns_that_straddle_shards(tmp_path: Path, ref
                          {"role": "assistant", "content": f"Answer {i}.{t}: {words}."}]
         rows.append({"id": f"m{i}", "messages": messages})
     dataset = write_jsonl(tmp_path / "turns.jsonl", rows)
-    progress = {}
+    configs, progress = [], []
     for replica in (0, 1):
         cfg = base_config(tmp_path, ref_server, dataset, run_id="turns", dataset__expandTurns=True,
-                          replicaIndex=replica, replicaCount=2)
+                          replicaIndex=replica, replicaCount=2, concurrency=2, leaseSeconds=2)
         cfg["output"]["shardTargetBytes"] = 1 << 20
-        config = ExtractConfig.model_validate(cfg)
-        progress[replica] = Progress(config.runId, replica)
-        code, _ = asyncio.run(extract(config, progress[replica]))
-        assert code == EXIT_OK, progress[replica].last_error
+        configs.append(ExtractConfig.model_validate(cfg))
+        progress.append(Progress("turns", replica))
+
+    async def both() -> list[tuple[int, Any]]:
+        return await asyncio.gather(*(extract(c, p) for c, p in zip(configs, progress, strict=True)))
+
+    outcomes = asyncio.run(both())
+    assert [code for code, _ in outcomes] == [EXIT_OK, EXIT_OK], [p.last_error for p in progress]
     run_dir = tmp_path / "out" / "turns"
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["rows"] == 120 and len(plan["shards"]) >= 4 and any(s["start"] % 3 for s in plan["shards"]), "no row straddles two shards"
     commits = [json.loads(p.read_text()) for p in sorted((run_dir / "commits").iterdir())]
     held = sorted(i for c in commits for i in [*c["samples"], *(q["index"] for q in c["quarantined"])])
     assert held == list(range(120)) and (run_dir / "manifest.json").is_file()
-    assert progress[0].samples_total + progress[1].samples_total == 120
+    assert progress[0].samples_total == progress[1].samples_total == 120  # each reports the run

@@ -109,7 +109,7 @@ def waiting_bytes(
     """Bytes of the files in the dump directory, except those of ``exclude_rids`` (the caller
     counts them itself) and stale partials (a dead writer's; they would block back-pressure forever).
     Live partials count: they hold shm too. With ``own``, only the files of rids sent by ``own``'s
-    run and replica count (any process of it: a dead one's are swept): another run's files, or
+    slot (run, replica and worker) count (any process of it: a dead one's are swept): another run's files, or
     names outside the protocol, are not ours to wait for - nobody here would ever remove them."""
     total = 0
     now = time.time()
@@ -127,7 +127,7 @@ def waiting_bytes(
                     continue
                 if own is not None:
                     owner = protocol.owner_of(rid) if rid is not None else None
-                    if owner is None or not owner.same_replica(own):
+                    if owner is None or not owner.same_slot(own):
                         continue
                 total += st.st_size
     except FileNotFoundError:
@@ -151,7 +151,7 @@ def remove_orphans(
         for entry in entries:
             rid = protocol.rid_of(entry.name)
             owner = protocol.owner_of(rid) if rid is not None else None
-            if owner is None or owner.same_replica(own):
+            if owner is None or owner.same_slot(own):
                 continue
             try:
                 mtime = entry.stat(follow_symlinks=False).st_mtime
@@ -182,15 +182,15 @@ def remove_stale_partials(
 
 
 def remove_dead_processes(dump_dir: str | os.PathLike[str], own: protocol.RunKey) -> int:
-    """Delete complete dumps/markers sent by another process of ``own``'s run and replica: one
-    replica has one live extractor, so they are a dead earlier process's leftovers. Matched on the
+    """Delete complete dumps/markers sent by another process of ``own``'s slot (run, replica, worker):
+    one slot has one live extractor, so they are a dead earlier process's leftovers. Matched on the
     parsed (run, replica, process) of each rid, never on a name prefix: runId ``job`` replica 1
     must not touch the dumps of runId ``job-r1``."""
     removed = 0
     for entry in os.scandir(dump_dir):
         rid = protocol.rid_of(entry.name)
         owner = protocol.owner_of(rid) if rid is not None else None
-        if owner is not None and owner.same_replica(own) and owner.process != own.process:
+        if owner is not None and owner.same_slot(own) and owner.process != own.process:
             Path(entry.path).unlink(missing_ok=True)
             removed += 1
     return removed

@@ -87,9 +87,9 @@ class EngineContext:
     seal_threads: ThreadPoolExecutor
     # The consistency check (None: off).
     consistency: Consistency | None = None
-    # Counts a shard committed by an earlier process (its record, None if gone; its rows) when the
+    # Counts a shard committed by an earlier process (index, record (None if gone), rows) when the
     # reader meets it while planning.
-    resumed: Callable[[ShardCommit | None, int], None] | None = None
+    resumed: Callable[[int, ShardCommit | None, int], None] | None = None
 
 
 @dataclass
@@ -118,8 +118,9 @@ class ShardRow:
 
 @dataclass(frozen=True)
 class ShardResumed:
-    """A shard of this replica committed by an earlier process, met while the plan is being made."""
+    """A shard committed by an earlier process, met while the plan is being made."""
 
+    shard: int
     commit: ShardCommit | None  # None: its record could not be read back
     rows: int
 
@@ -207,7 +208,7 @@ class ShardWorker:
                 sweeper = group.create_task(self._sweep_forever())
                 while (event := await queue.get()) is not None:
                     if isinstance(event, ShardResumed):
-                        (self.ctx.resumed or self.progress.shard_resumed)(event.commit, event.rows)
+                        (self.ctx.resumed or self.progress.shard_resumed)(event.shard, event.commit, event.rows)
                         continue
                     if not isinstance(event, ShardCut) and event.shard not in self._opened:
                         await self._open_shards.acquire()  # a shard's first row: it needs room on scratch
@@ -448,7 +449,7 @@ class ShardWorker:
         commit = await asyncio.get_running_loop().run_in_executor(self.ctx.seal_threads, seal)
         self._open_shards.release()
         self.commits.append(commit)
-        self.progress.shard_committed(commit.bytes_stored, time.monotonic() - began)
+        self.progress.shard_committed(commit.shard_index, commit.bytes_stored, time.monotonic() - began)
 
     def _add(self, shard: ShardState, item: SampleRecord | QuarantineEntry, rid: str | None) -> bool:
         """Add to the shard (the builder is safe for concurrent adds); True for the shard's last row."""

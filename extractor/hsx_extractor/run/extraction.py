@@ -1,15 +1,14 @@
 """One extraction run: dataset -> tokens -> server -> dumps by rid -> validated samples -> shards.
 
-Resume needs no local state: shards with a commit record are skipped, every other shard of this
-replica is redone from its first row, and a shard becomes visible only through its commit record,
-so a crash at any point (SIGKILL included) leaves each good sample in the output exactly once.
+Resume needs no local state: shards with a commit record are skipped, every other shard is leased
+(run/leases.py) and redone from its first row, and a shard becomes visible only through its commit
+record, so a crash at any point (SIGKILL included) leaves each good sample in the output exactly once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import os
 import time
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from typing import Any, cast
 
 import aiohttp
 
-from hsx_extractor import __version__, protocol
+from hsx_extractor import protocol
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.model import (
     LAYER_CONVENTION,
@@ -41,12 +40,9 @@ from hsx_extractor.run.consistency import (
     SamplePicks,
 )
 from hsx_extractor.run.dataset import Prepared, Rejected, dataset_endpoint, dataset_rows, read_samples
-from hsx_extractor.run.engine import (
-    EngineContext,
-    ShardWorker,
-    encode_workers,
-)
+from hsx_extractor.run.engine import EngineContext, ShardWorker, encode_workers
 from hsx_extractor.run.failures import permanent
+from hsx_extractor.run.leases import Leases
 from hsx_extractor.run.lm_head import LmHead
 from hsx_extractor.run.plan import (
     PLAN_NAME,
@@ -55,47 +51,20 @@ from hsx_extractor.run.plan import (
     ShardCut,
     ShardPlan,
     hashed,
-    replica_shards,
 )
 from hsx_extractor.run.planning import PlanAhead, ReadFraction, check_committed, check_none_beyond
+from hsx_extractor.run.producers import ENGINE_PRODUCERS, engine_of
 from hsx_extractor.run.progress import Progress
-from hsx_extractor.run.readers import Reader, owned_by, planned_reader, planning_reader
+from hsx_extractor.run.readers import Reader, planned_reader, planning_reader
 from hsx_extractor.run.server_client import ServerClient
 from hsx_extractor.run.tokens import ChatTokenizer, TokenizerError
 from hsx_extractor.run.validate import DatasetRejected, MismatchGate, rejection_verdict
-from hsx_extractor.sglang_hook.launch import HOOK_PRODUCER, SGLANG_VERSION
 from hsx_extractor.storage import failpoints, native
 from hsx_extractor.storage.commit_record import ShardCommit
 from hsx_extractor.storage.manifest import Capture
 from hsx_extractor.storage.shard_format import STATES_DTYPE
 from hsx_extractor.storage.store import Store, open_store
-from hsx_extractor.storage.uris import open_uri_chunks, uri_stat
-from hsx_extractor.vllm_hook.launch import PRODUCER as VLLM_PRODUCER
-from hsx_extractor.vllm_hook.launch import VLLM_VERSION
-
-# The producer each engine's dumps name (spec.server.engine -> hook/connector).
-ENGINE_PRODUCERS = {"sglang": HOOK_PRODUCER, "vllm": VLLM_PRODUCER}
-
-
-def engine_of(producer: str) -> tuple[str, str]:
-    """(engine, version) of a dump producer: SGLang with hsx's hook, or a producer shipped with hsx
-    (the reference server), which has hsx's version."""
-    if producer == HOOK_PRODUCER:
-        return "sglang", SGLANG_VERSION
-    if producer == VLLM_PRODUCER:
-        return "vllm", VLLM_VERSION
-    if producer.startswith("hsx-"):
-        return producer, __version__
-    raise permanent(f"the server's dumps come from {producer!r}, an engine hsx does not know")
-
-
-def dataset_digest(uri: str, where: Any) -> dict[str, Any]:
-    """sha256 and size of the dataset's bytes, read front to back as stored (compressed files too)."""
-    digest, size = hashlib.sha256(), 0
-    for chunk in open_uri_chunks(uri, where):
-        digest.update(chunk)
-        size += len(chunk)
-    return {"uri": uri, "digest": f"sha256:{digest.hexdigest()}", "bytes": size}
+from hsx_extractor.storage.uris import dataset_digest, uri_stat
 
 
 def replica_from_env(cfg: ExtractConfig) -> ExtractConfig:
@@ -125,7 +94,7 @@ class Extraction:
         v = cfg.validation
         self.gate = MismatchGate(v.maxMismatchRate, v.gateWindow, v.gateMinSamples)
         # A fresh key per process: a restarted extractor never reuses a rid the server has seen.
-        self.run_key = RunKey(cfg.runId, self.cfg.replicaIndex, os.urandom(3).hex())
+        self.run_key = RunKey(cfg.runId, self.cfg.replicaIndex, os.urandom(3).hex(), cfg.workerIndex or 0)
         self.encode_threads = ThreadPoolExecutor(max_workers=encode_workers(), thread_name_prefix="hsx-encode")
         self.seal_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hsx-seal")
         c = self.cfg.validation.consistency
@@ -300,10 +269,19 @@ class Extraction:
             plan = await self.load_plan(store, tok, shape)
             committed = await asyncio.to_thread(store.committed_shards)
             consistency = self.consistency_for(shape)
-            if plan is None:
-                plan, commits = await self._extract_planning(store, client, tok, shape, committed, producer, consistency)
-            else:
-                commits = await self._extract_planned(store, client, tok, shape, plan, committed, producer, consistency)
+            leases = await asyncio.to_thread(self.open_leases, store, asyncio.get_running_loop())
+            rest = (producer, consistency, leases)
+            try:
+                if plan is None:
+                    plan, commits = await self._extract_planning(store, client, tok, shape, committed, *rest)
+                else:
+                    commits = await self._extract_planned(store, client, tok, shape, plan, committed, *rest)
+            except BaseException:
+                await asyncio.to_thread(leases.stop, True)  # others take this process's shards at once
+                raise
+            leases.stop()
+            for c in await asyncio.to_thread(self._others_committed, store, leases):  # the last ones
+                self._resumed(c.shard_index, c, c.stop - c.start)
         verdict = self.consistency_gate.verdict(final=True)
         if verdict:
             raise CaptureInconsistent(verdict)
@@ -313,14 +291,39 @@ class Extraction:
             raise DatasetRejected(rejected)  # nothing that is mostly rejections ends Succeeded
         described = functools.partial(self.describe, tok, shape, plan, engine)
         manifest = await asyncio.to_thread(store.finalize, plan.planned(), described)
+        if manifest is not None:
+            await asyncio.to_thread(leases.clear)
         self.progress.mark_succeeded()
         done = sorted(c.shard_index for c in commits)
         return RunResult(cfg.runId, store.description, tok.fingerprint, done, commits, manifest)
 
-    def _resumed(self, commit: ShardCommit | None, rows: int) -> None:
-        """A shard of this replica committed by an earlier process: its rows count as done, and its
-        consistency checks count in the run's gate."""
-        self.progress.shard_resumed(commit, rows)
+    def open_leases(self, store: Store, loop: asyncio.AbstractEventLoop) -> Leases:
+        """This process's leases, renewed from now on; the renewal rounds also count the shards other
+        processes commit, so every replica's progress is the run's."""
+        leases = Leases(store, self.run_key.slot, self.run_key.process, self.cfg.leaseSeconds)
+        leases.probe()
+
+        def count_others() -> None:
+            for c in self._others_committed(store, leases):
+                loop.call_soon_threadsafe(self._resumed, c.shard_index, c, c.stop - c.start)
+
+        leases.on_tick = count_others
+        self.progress.watch_leases(lambda: len(leases.held))
+        leases.start()
+        return leases
+
+    def _others_committed(self, store: Store, leases: Leases) -> list[ShardCommit]:
+        """Commits of shards this process neither counted nor worked on (its engine counts those)."""
+        seen = self.progress.counted_shards | leases.worked
+        commits = (store.get_commit(k) for k in sorted(store.committed_shards() - seen))
+        return [c for c in commits if c is not None]
+
+    def _resumed(self, shard: int, commit: ShardCommit | None, rows: int) -> None:
+        """A shard committed by an earlier process or another replica: its rows count as done, and its
+        consistency checks count in the run's gate (once)."""
+        if shard in self.progress.counted_shards:
+            return
+        self.progress.shard_resumed(shard, commit, rows)
         if commit is not None and commit.consistency is not None:
             self.consistency_gate.add(len(commit.consistency["checked"]), len(commit.consistency["failed"]))
 
@@ -372,20 +375,16 @@ class Extraction:
         committed: set[int],
         producer: str,
         consistency: Consistency | None,
+        leases: Leases,
     ) -> list[ShardCommit]:
-        """Extract this replica's uncommitted shards of a stored plan."""
-        mine = replica_shards(len(plan.shards), self.cfg.replicaIndex, self.cfg.replicaCount)
-        todo = [k for k in mine if k not in committed]
-        self.progress.shards_total = len(mine)
-        self.progress.samples_total = sum(len(plan.shard_range(k)) for k in mine)
-        for k in mine:
-            if k in committed:
-                self._resumed(await asyncio.to_thread(store.get_commit, k), len(plan.shard_range(k)))
+        """Extract the uncommitted shards of a stored plan this process leases."""
+        self.progress.shards_total, self.progress.samples_total = len(plan.shards), plan.rows
+        for k in sorted(committed):
+            self._resumed(k, await asyncio.to_thread(store.get_commit, k), len(plan.shard_range(k)))
         self.progress.mark_running()
-        if not todo:
+        if all(k in committed for k in range(len(plan.shards))):
             return []
-        cuts = [plan.cut(k) for k in todo]
-        reader = planned_reader(self.cfg, tok, plan, cuts, consistency)
+        reader = planned_reader(self.cfg, tok, plan, committed, consistency, leases)
         worker = await self._extract(store, client, shape, producer, consistency, reader)
         unfinished = worker.unfinished()
         if unfinished:
@@ -404,6 +403,7 @@ class Extraction:
         committed: set[int],
         producer: str,
         consistency: Consistency | None,
+        leases: Leases,
     ) -> tuple[ShardPlan, list[ShardCommit]]:
         """No plan is stored yet: a thread makes and stores it (run.planning) while extraction starts
         on each row as soon as that thread has placed it in a shard."""
@@ -441,13 +441,13 @@ class Extraction:
                   f"{now.requestsInFlight} are at the server", flush=True)  # fmt: skip
             return kept
 
-        ahead = PlanAhead(items, planner, finish, check_cut, owned_by(self.cfg))
+        ahead = PlanAhead(items, planner, finish, check_cut)
         started = time.monotonic()
         self.progress.watch_planning(ahead.placed, read.fraction)
         self.progress.mark_running()
         ahead.start()
         try:
-            reader = planning_reader(self.cfg, store, tok, ahead, committed, consistency)
+            reader = planning_reader(self.cfg, store, tok, ahead, committed, consistency, leases)
             worker = await self._extract(store, client, shape, producer, consistency, reader)
             plan = await asyncio.to_thread(ahead.plan)
             samples, shards, _ = ahead.placed()

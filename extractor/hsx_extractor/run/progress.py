@@ -31,8 +31,9 @@ MIN_READ_FRACTION = 0.01
 
 @dataclass
 class Progress:
-    """Counters of one extractor process. Samples of shards committed before a restart count as
-    done (``samples_resumed``); rates and ETA use only what this process did: over the last
+    """Counters of one extractor process, for the whole run: samples of shards committed before a
+    restart or by other processes count as done (``samples_resumed``) once this process has seen their
+    commit; rates and ETA use only what this process did: over the last
     :data:`RATE_WINDOW_S` while running, over the whole run once it ended."""
 
     run_id: str
@@ -53,11 +54,14 @@ class Progress:
     failure_reason: str | None = None  # a failure's own name (DatasetRejected), for the operator
     waiting_for: str | None = None  # before running: what the run waits for (the server's /health)
     quarantined: Counter[str] = field(default_factory=Counter)
+    # Shards counted as committed (this process's, and others' it has seen): each counts once.
+    counted_shards: set[int] = field(default_factory=set)
     # Rates count from the first request (not from start-up) to the end of the run.
     running_since: float | None = None
     finished_at: float | None = None
     _metrics: Metrics | None = None
     _in_flight_probe: Callable[[], int] | None = None
+    _leased_probe: Callable[[], int] | None = None
     _planning_probe: Callable[[], tuple[int, int, bool]] | None = None
     _read_fraction: Callable[[], float | None] | None = None
     # (checked, failed) of the consistency check, read when asked
@@ -133,9 +137,12 @@ class Progress:
         self.samples_total, self.shards_total, self.planning = samples, shards, False
         self._planning_probe = None
 
-    def shard_resumed(self, commit: ShardCommit | None, rows: int) -> None:
-        """A shard committed by an earlier process: its rows are done (``commit`` None: its record is
-        gone; the shard still counts as committed)."""
+    def shard_resumed(self, shard: int, commit: ShardCommit | None, rows: int) -> None:
+        """A shard committed by an earlier process or another replica: its rows are done (``commit``
+        None: its record is gone; the shard still counts as committed). Each shard counts once."""
+        if shard in self.counted_shards:
+            return
+        self.counted_shards.add(shard)
         self.samples_done += rows
         self.samples_resumed += rows
         self.shards_committed += 1
@@ -145,8 +152,9 @@ class Progress:
             for q in commit.quarantine:
                 self.quarantined[q.reason] += 1
 
-    def shard_committed(self, nbytes: int, seconds: float | None = None) -> None:
+    def shard_committed(self, shard: int, nbytes: int, seconds: float | None = None) -> None:
         """One shard stored and committed; ``seconds``: its seal (upload and commit record) took."""
+        self.counted_shards.add(shard)
         self.shards_committed += 1
         self.bytes_committed += nbytes
         self.metrics.shards.inc()
@@ -158,6 +166,10 @@ class Progress:
         """Read requests in flight from ``probe`` (the client's counter) whenever asked."""
         self._in_flight_probe = probe
         self.metrics.in_flight.set_function(lambda: float(probe()))
+
+    def watch_leases(self, probe: Callable[[], int]) -> None:
+        """Read the shards this process holds from ``probe`` whenever asked."""
+        self._leased_probe = probe
 
     def watch_consistency(self, probe: Callable[[], tuple[int, int]]) -> None:
         self._consistency_probe = probe
@@ -225,6 +237,7 @@ class Progress:
             planning=self.planning,
             samplesTotalEstimate=estimate,
             requestsInFlight=self._in_flight_probe() if self._in_flight_probe else 0,
+            shardsLeased=self._leased_probe() if self._leased_probe and self.state == "running" else 0,
             lastError=self.last_error,
             failureReason=self.failure_reason,
             state=self.state,

@@ -1,6 +1,6 @@
-"""What the extraction reader hands the worker (engine.ReaderEvent), in dataset order: the rows of this
-replica's uncommitted shards of a stored plan, or of a plan still being made (run/planning.py). Each runs in
-the worker's reader thread."""
+"""What the extraction reader hands the worker (engine.ReaderEvent), in dataset order: the rows of the
+uncommitted shards this process leases (run/leases.py) of a stored plan, or of a plan still being made
+(run/planning.py), then those it takes over. Each runs in the worker's reader thread."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from hsx_extractor.reasons import Reason
 from hsx_extractor.run.consistency import Consistency
 from hsx_extractor.run.dataset import Prepared, Rejected, dataset_rows, read_samples
 from hsx_extractor.run.engine import ReaderEvent, ShardResumed, ShardRow
-from hsx_extractor.run.plan import RowWitness, ShardCut, ShardPlan, replica_owns
+from hsx_extractor.run.leases import Leases, work_left
+from hsx_extractor.run.plan import RowWitness, ShardCut, ShardPlan
 from hsx_extractor.run.planning import PlanAhead, PlanStopped
 from hsx_extractor.run.tokens import ChatTokenizer
 from hsx_extractor.storage.store import Store
@@ -19,9 +20,21 @@ from hsx_extractor.storage.store import Store
 Reader = Callable[[Callable[[ReaderEvent], None]], None]
 
 
-def owned_by(cfg: ExtractConfig) -> Callable[[int], bool]:
-    """Whether shard k is this replica's (plan.replica_owns)."""
-    return lambda shard: replica_owns(shard, cfg.replicaIndex, cfg.replicaCount)
+class LeaseDecisions:
+    """Whether this process works on shard k, decided once, when the reader first meets the shard."""
+
+    def __init__(self, leases: Leases) -> None:
+        self.leases = leases
+        self._decided: dict[int, bool] = {}
+
+    def __call__(self, shard: int) -> bool:
+        if shard not in self._decided:
+            self._decided[shard] = shard in self.leases.worked or self.leases.claim(shard)
+        return self._decided[shard]
+
+    def decided(self, shard: int) -> bool | None:
+        """The decision, None before the reader met the shard."""
+        return self._decided.get(shard)
 
 
 def routed(item: Prepared | Rejected, duplicate: bool, shard: int, consistency: Consistency | None) -> ShardRow:
@@ -35,26 +48,58 @@ def routed(item: Prepared | Rejected, duplicate: bool, shard: int, consistency: 
     return ShardRow(shard, item)
 
 
-def planned_reader(
-    cfg: ExtractConfig, tok: ChatTokenizer, plan: ShardPlan, cuts: list[ShardCut], consistency: Consistency | None
-) -> Reader:
-    """The rows of a stored plan's shards ``cuts`` (this replica's uncommitted ones), each cut first."""
+def read_cuts(
+    cfg: ExtractConfig,
+    tok: ChatTokenizer,
+    plan: ShardPlan,
+    consistency: Consistency | None,
+    emit: Callable[[ReaderEvent], None],
+    wanted: Callable[[int], bool],
+) -> None:
+    """One pass over the dataset: the rows of each shard of ``plan`` that ``wanted`` (asked at the shard's
+    first row), each shard's cut first."""
     d = cfg.dataset
-    shard_of = {i: c.shard for c in cuts for i in range(c.start, c.stop)}
+    shard_of = [0] * plan.rows
+    for k, (start, stop) in enumerate(plan.shards):
+        shard_of[start:stop] = [k] * (stop - start)
+    sent: set[int] = set()
+    witness = RowWitness()  # every planned shard's rows, wanted or not, are read here anyway
+    for k in range(len(plan.shards)):
+        witness.expect(plan.cut(k))
+
+    def want(index: int) -> bool:
+        return index < plan.rows and wanted(shard_of[index])
+
+    rows = witness.rows(dataset_rows(cfg))
+    for item in read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns, want):
+        if item.index >= plan.rows:
+            return
+        shard = shard_of[item.index]
+        if not wanted(shard):
+            continue
+        if shard not in sent:  # every row of the shard is known: the worker may seal it once full
+            sent.add(shard)
+            emit(plan.cut(shard))
+        emit(routed(item, item.index in plan.duplicates, shard, consistency))
+
+
+def planned_reader(
+    cfg: ExtractConfig,
+    tok: ChatTokenizer,
+    plan: ShardPlan,
+    committed: set[int],
+    consistency: Consistency | None,
+    leases: Leases,
+) -> Reader:
+    """The rows of a stored plan's uncommitted shards this process leases as it meets them, then of
+    those it takes over (run/leases.work_left)."""
+    mine = LeaseDecisions(leases)
 
     def read(emit: Callable[[ReaderEvent], None]) -> None:
-        for cut in cuts:  # every shard's rows are known: the worker may seal one as soon as it is full
-            emit(cut)
-        witness = RowWitness()  # every planned shard's rows, this replica's or not, are read here anyway
-        for k in range(len(plan.shards)):
-            witness.expect(plan.cut(k))
-        rows = witness.rows(dataset_rows(cfg))
-        wanted = shard_of.__contains__
-        for item in read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns, wanted):
-            if item.index >= plan.rows:
-                return
-            if item.index in shard_of:
-                emit(routed(item, item.index in plan.duplicates, shard_of[item.index], consistency))
+        leases.scan()
+        read_cuts(cfg, tok, plan, consistency, emit, lambda k: k not in committed and mine(k))
+        work_left(leases, len(plan.shards), lambda taken: read_cuts(cfg, tok, plan, consistency, emit,
+                                                                    taken.__contains__))  # fmt: skip
 
     return read
 
@@ -66,33 +111,37 @@ def planning_reader(
     ahead: PlanAhead,
     committed: set[int],
     consistency: Consistency | None,
+    leases: Leases,
 ) -> Reader:
-    """The rows of this replica's uncommitted shards as the planning thread places them, each shard's
-    cut as soon as it is made, and the totals once the plan is stored."""
+    """The rows of the uncommitted shards this process leases as the planning thread places them, each
+    shard's cut as soon as it is made; once the plan is stored, those it takes over."""
     d = cfg.dataset
-    mine = owned_by(cfg)
+    mine = LeaseDecisions(leases)
 
     def read(emit: Callable[[ReaderEvent], None]) -> None:
+        leases.scan()
         seen = 0  # cuts handed on
         witness = RowWitness()  # the rows read here against the planning thread's digests
+        # Cuts of shards the reader has not reached yet (the planning thread runs ahead): a shard is
+        # leased at its first row, never earlier, so a process holds only what it works on.
+        early: dict[int, ShardCut] = {}
 
         def hand_cuts() -> None:
             nonlocal seen
             for cut in ahead.cuts(seen):
                 seen += 1
                 witness.expect(cut)
-                if not mine(cut.shard):
-                    continue
-                if cut.shard not in committed:
+                if cut.shard in committed:  # the planning thread checked it against the cut
+                    emit(ShardResumed(cut.shard, store.get_commit(cut.shard), cut.stop - cut.start))
+                elif mine.decided(cut.shard):
                     emit(cut)
-                    continue
-                # The planning thread checked it against the cut.
-                emit(ShardResumed(store.get_commit(cut.shard), cut.stop - cut.start))
+                elif mine.decided(cut.shard) is None:
+                    early[cut.shard] = cut
 
         def wanted(index: int) -> bool:
             hand_cuts()  # a full shard is sealed as soon as its cut is known, not at the next row sent
             placed = ahead.placement(index)
-            return placed is not None and mine(placed.shard) and placed.shard not in committed
+            return placed is not None and placed.shard not in committed and mine(placed.shard)
 
         try:
             rows = witness.rows(dataset_rows(cfg))
@@ -102,13 +151,17 @@ def planning_reader(
                     break
                 # With expandTurns a row's samples may straddle two shards: only this replica's
                 # uncommitted ones go on.
-                if not mine(placed.shard) or placed.shard in committed:
+                if placed.shard in committed or not mine(placed.shard):
                     continue
                 hand_cuts()
+                if placed.shard in early:
+                    emit(early.pop(placed.shard))
                 emit(routed(item, placed.duplicate, placed.shard, consistency))
-            ahead.plan()
+            plan = ahead.plan()
         except PlanStopped:
             return
         hand_cuts()
+        work_left(leases, len(plan.shards), lambda taken: read_cuts(cfg, tok, plan, consistency, emit,
+                                                                    taken.__contains__))  # fmt: skip
 
     return read

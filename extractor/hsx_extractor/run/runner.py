@@ -62,7 +62,8 @@ async def extract(cfg: ExtractConfig, progress: Progress | None = None) -> tuple
             write_termination_message(cfg.terminationMessagePath, progress.termination_message())
     if result is not None:
         state = "manifest written" if result.manifest else "other replicas' shards pending; no manifest yet"
-        print(f"hsx extract: done: {result.output} ({state})", flush=True)
+        print(f"hsx extract: done: {result.output} ({state}); this process committed shards {result.shards_done}",
+              flush=True)  # fmt: skip
         print(f"hsx extract: samples {progress.quarantine_summary()}", flush=True)
     return code, result
 
@@ -77,5 +78,9 @@ def write_termination_message(path: str, text: str) -> None:
 
 
 def run_extract(cfg: ExtractConfig) -> int:
+    if cfg.workers > 1 and cfg.workerIndex is None:
+        from hsx_extractor.run.workers import run_workers
+
+        return run_workers(cfg)
     code, _ = asyncio.run(extract(cfg))
     return code

@@ -6,6 +6,8 @@ key, or a key outside ``{prefix}/{runId}/``::
     {prefix}/{runId}/{name}.json    (named objects: the run's plan.json, see run/plan.py)
     {prefix}/{runId}/shards/shard-{k:06d}-{checksum}.safetensors   (checksum: the shard's xxh3-64)
     {prefix}/{runId}/commits/shard-{k:06d}.json
+    {prefix}/{runId}/leases/shard-{k:06d}/g{gen:06d}   (who works on shard k: run/leases.py)
+    {prefix}/{runId}/leases/shard-{k:06d}/g{gen:06d}.b{beat:08d}.{kind}.{holder}
     {prefix}/{runId}/manifest.json          (written last)
 """
 
@@ -23,6 +25,8 @@ COMMITS_DIR = "commits"
 MANIFEST_NAME = "manifest.json"
 SHARD_SUFFIX = ".safetensors"
 COMMIT_SUFFIX = ".json"
+LEASES_DIR = "leases"
+LEASE_KINDS = ("claim", "take", "race", "free")
 MAX_SHARDS = 1_000_000
 
 # One path segment of a prefix: no dots-only names, no control characters, no backslashes.
@@ -32,6 +36,10 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _COMMIT_RE = re.compile(r"^shard-(\d{6,7})\.json$")
 _SHARD_RE = re.compile(r"^shard-(\d{6,7})-([0-9a-f]{16})\.safetensors$")
 _CHECKSUM_RE = re.compile(r"^[0-9a-f]{16}$")
+_LEASE_RE = re.compile(
+    r"^shard-(\d{6,7})/g(\d{6})(?:\.b(\d{8})\.(" + "|".join(LEASE_KINDS) + r")\.(r\d{1,6}(?:w\d{1,2})?-[0-9a-f]{1,32}))?$"
+)
+_HOLDER_RE = re.compile(r"^r\d{1,6}(?:w\d{1,2})?-[0-9a-f]{1,32}$")
 
 
 class InvalidKeyError(UsageError):
@@ -156,6 +164,34 @@ class RunLayout:
             return None
         m = _COMMIT_RE.match(key[len(self.commits_prefix) :])
         return int(m.group(1)) if m else None
+
+    @property
+    def leases_prefix(self) -> str:
+        return f"{self.root}/{LEASES_DIR}/"
+
+    def lease_prefix(self, shard_index: int) -> str:
+        return f"{self.leases_prefix}shard-{validate_shard_index(shard_index):06d}/"
+
+    def lease_key(self, shard_index: int, generation: int) -> str:
+        """Generation ``generation`` of shard ``shard_index``'s lease: created once, by its one holder."""
+        return f"{self.lease_prefix(shard_index)}g{generation:06d}"
+
+    def beat_key(self, shard_index: int, generation: int, beat: int, kind: str, holder: str) -> str:
+        """The holder's ``beat``-th renewal of that generation (a new object each time)."""
+        if kind not in LEASE_KINDS or not _HOLDER_RE.match(holder):
+            raise InvalidKeyError(f"lease kind {kind!r} or holder {holder!r} is not valid")
+        return f"{self.lease_key(shard_index, generation)}.b{beat:08d}.{kind}.{holder}"
+
+    def parse_lease_key(self, key: str) -> tuple[int, int, tuple[int, str, str] | None] | None:
+        """(shard, generation, (beat, kind, holder) or None for the generation object) of a listed
+        lease key; None for anything else."""
+        if not key.startswith(self.leases_prefix):
+            return None
+        m = _LEASE_RE.match(key[len(self.leases_prefix) :])
+        if m is None:
+            return None
+        beat = (int(m.group(3)), m.group(4), m.group(5)) if m.group(3) is not None else None
+        return int(m.group(1)), int(m.group(2)), beat
 
 
 def split_run_uri(uri: str) -> tuple[str, str]:

@@ -4,6 +4,7 @@ or a stat that tells whether it was rewritten)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,3 +94,12 @@ def open_uri_source(uri: str, where: S3Endpoint | None = None) -> ObjectSource:
         return _ObjectRanges(backend, key, uri)
     path = Path(_local_path(uri))
     return _ObjectRanges(LocalBackend(path.parent), path.name, uri)
+
+
+def dataset_digest(uri: str, where: Any) -> dict[str, Any]:
+    """sha256 and size of the dataset's bytes, read front to back as stored (compressed files too)."""
+    digest, size = hashlib.sha256(), 0
+    for chunk in open_uri_chunks(uri, where):
+        digest.update(chunk)
+        size += len(chunk)
+    return {"uri": uri, "digest": f"sha256:{digest.hexdigest()}", "bytes": size}

@@ -223,6 +223,7 @@ def cmd_serve_reference(args: argparse.Namespace) -> int:
         args.enable_test_hooks,
         args.threads,
         args.noise_seed,
+        args.delay_us_per_token / 1e6,
     )
 
 
@@ -374,6 +375,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--delay-ms", type=float, default=0.0, help="TEST HOOK: wait this long before each prefill"
     )
+    p.add_argument(
+        "--delay-us-per-token", type=float, default=0.0,
+        help="TEST HOOK: wait this long per prompt token too (a prefill's time grows with its length)",
+    )  # fmt: skip
     p.add_argument("--enable-test-hooks", action="store_true", help="TEST HOOK: allow POST /hsx_test/fault")
     p.add_argument(
         "--noise-seed", type=int, default=None,

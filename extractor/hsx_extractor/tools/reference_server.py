@@ -206,8 +206,10 @@ class ReferenceServer:
         fault: FaultPlan | None = None,
         delay_s: float = 0.0,
         test_hooks: bool = False,
+        delay_per_token_s: float = 0.0,
     ) -> None:
         self.model = model
+        self.delay_per_token_s = delay_per_token_s
         self.dump_dir = protocol.make_dump_dir(dump_dir)
         self.fault = fault or FaultPlan()
         self.delay_s = delay_s
@@ -271,8 +273,8 @@ class ReferenceServer:
         self.stats.in_flight = self._in_flight
         self.stats.max_in_flight = max(self.stats.max_in_flight, self._in_flight)
         try:
-            if self.delay_s:
-                await asyncio.sleep(self.delay_s)
+            if self.delay_s or self.delay_per_token_s:
+                await asyncio.sleep(self.delay_s + self.delay_per_token_s * len(ids))
             loop = asyncio.get_running_loop()
             ran, kind = await loop.run_in_executor(self._worker, self._serve_one, rid, ids, arrival)
         finally:
@@ -416,6 +418,7 @@ def run(
     test_hooks: bool,
     threads: int | None,
     noise_seed: int | None = None,
+    delay_per_token_s: float = 0.0,
 ) -> int:
     import torch
 
@@ -424,7 +427,7 @@ def run(
     model = ReferenceModel(model_dir, aux_layer_ids)
     if noise_seed is not None:
         model.noise = np.random.default_rng(noise_seed)
-    server = ReferenceServer(model, dump_dir, fault, delay_s, test_hooks)
+    server = ReferenceServer(model, dump_dir, fault, delay_s, test_hooks, delay_per_token_s)
     try:
         asyncio.run(serve(server, host, port))
     except KeyboardInterrupt:
