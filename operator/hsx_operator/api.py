@@ -286,6 +286,14 @@ class ExtractorSpec(_Spec):
         description="CPU and memory of the extractor container.",
         json_schema_extra={"default": {}},
     )
+    workers: int | None = Field(
+        default=None,
+        ge=1,
+        le=32,
+        description="Extractor processes in the pod, each with its own interpreter, leasing shards like a pod "
+        "of its own (one is capped near 4 GB/s of hidden states by its GIL). Unset: one per 4 cores of the "
+        "extractor's CPU request (or limit), at least one.",
+    )
     progressPort: int = Field(
         default=_EXTRACT_DEFAULTS["progressPort"].default,
         ge=1024,
@@ -319,13 +327,13 @@ _LOCKED_FIELDS = (
     "output",
     "validation",
     "concurrency",
-    "parallelism",
     "backoffLimit",
     "scheduling",
     "pod",
 )
 _LOCKED_OPTIONAL = ("activeDeadlineSeconds", "startupDeadlineSeconds", "ttlSecondsAfterFinished")
-# A run's spec is fixed while its runId stays: change runId to run again with other settings.
+# A run's spec is fixed while its runId stays (parallelism aside: pods lease shards, so the fleet may
+# grow or shrink mid-run): change runId to run again with other settings.
 _LOCK_RULE = (
     "self.runId != oldSelf.runId || ("
     + " && ".join(
@@ -344,7 +352,7 @@ class ExtractionJobSpec(_Spec):
             "x-kubernetes-validations": [
                 cel(
                     _LOCK_RULE,
-                    "only runId and suspend may change; to run with other settings, change runId too",
+                    "only runId, suspend and parallelism may change; to run with other settings, change runId too",
                     reason="FieldValueForbidden",
                 ),
                 cel(
@@ -431,7 +439,8 @@ class ExtractionJobSpec(_Spec):
         default=1,
         ge=1,
         le=64,
-        description="Number of pods, each with its own server; pod k takes shards k, k+n, k+2n, ...",
+        description="Number of pods, each with its own server. Shards are leased, not assigned: each pod takes the "
+        "next unclaimed shard, and may change while the run goes on (more pods join, fewer release their shards).",
     )
     backoffLimit: int = Field(
         default=3,

@@ -172,6 +172,20 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "priority": 1,
         "description": "Pod attempt.",
     },
+    {
+        "name": "Pods",
+        "type": "integer",
+        "jsonPath": ".spec.parallelism",
+        "priority": 1,
+        "description": "Pods the run is asked to have (spec.parallelism; it may change mid-run).",
+    },
+    {
+        "name": "Shards",
+        "type": "string",
+        "jsonPath": ".status.progress.shards",
+        "priority": 1,
+        "description": "Shards committed/total, and of the rest how many are leased and how many free.",
+    },
 ]
 
 

@@ -24,6 +24,12 @@ from hsx_extractor.vllm_hook import launch as vllm_launch
 from hsx_operator.api import GROUP, KIND, VERSION, ExtractionJobSpec
 from hsx_operator.pod_settings import CA_DIR, PodSettings
 from hsx_operator.policy import under
+from hsx_operator.sizing import (
+    EXTRACTOR_DEFAULT_REQUESTS,
+    extractor_workers,
+    scratch_size_limit,
+    server_default_requests,
+)
 
 # The server container of each engine, named after it (kubectl logs -c vllm).
 SERVER_CONTAINERS = {"sglang": "sglang", "vllm": "vllm"}
@@ -137,6 +143,7 @@ def extract_config(spec: ExtractionJobSpec) -> ExtractConfig:
         modelPath=spec.model.path,
         auxLayerIds=spec.model.auxLayerIds or None,
         replicaCount=spec.parallelism,
+        workers=extractor_workers(spec),
         progressPort=spec.extractor.progressPort,
         progressHost="0.0.0.0",
         terminationMessagePath="/dev/termination-log",
@@ -300,30 +307,6 @@ def _credentials_env(spec: ExtractionJobSpec) -> list[dict[str, Any]]:
         *_secret_env(spec.output.credentialsSecret, own),
         *_secret_env(spec.dataset.credentialsSecret, DATASET_CREDENTIALS_ENV),
     ]
-
-
-# What the extractor asks the scheduler (and Kueue's quota) for when the spec names neither a request
-# nor a limit of that resource: the guide's sizing for ~1 GB/s of hidden states (1.6-2 cores per GB/s)
-# and its encode buffers, tokenizer and in-flight dumps' metadata.
-EXTRACTOR_DEFAULT_REQUESTS = {"cpu": "2", "memory": "4Gi"}
-
-
-def server_default_requests(gpus: int) -> dict[str, str]:
-    """What the server asks for when the spec names neither a request nor a limit of that resource: a
-    core per GPU process plus the tokenizer, detokenizer and HTTP processes, 8 GiB of host memory per
-    GPU (CUDA contexts, pinned staging, the weights' read-ahead), so the scheduler and Kueue count it."""
-    return {"cpu": str(gpus + 2), "memory": f"{8 * gpus}Gi"}
-
-
-# Room on /scratch beside the open shards' spool files (tokenizer caches, the interpreter's temp files).
-SCRATCH_SLACK_BYTES = 1 << 30
-
-
-def scratch_size_limit(spec: ExtractionJobSpec) -> int:
-    """Bytes the extractor's /scratch may hold: at most output.maxOpenShards spool files, each about a
-    shard (the engine waits for a seal before opening more), plus slack; past it the kubelet evicts
-    this pod for its own overuse, not a neighbour's."""
-    return spec.output.maxOpenShards * spec.output.shardTargetBytes + SCRATCH_SLACK_BYTES
 
 
 def _resources(

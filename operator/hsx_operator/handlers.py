@@ -35,7 +35,7 @@ from hsx_operator.desired import (
     with_queue_label,
 )
 from hsx_operator.observe import Refusal, needs_job, observe
-from hsx_operator.pods import job_finished
+from hsx_operator.pods import job_finished, scale_patch
 from hsx_operator.policy import NodeAccessPolicy, violations
 from hsx_operator.status import TERMINAL_PHASES, ExtractionJobStatus, Phase, Reason, status_patch
 
@@ -162,6 +162,11 @@ def _reconcile(
             metrics.JOBS_CREATED.inc()
             kopf.info(body, reason="JobCreated", message=f"created Job {current} for run {xj.runId}")
     elif job is not None and not job_finished(job) and run_status.phase not in TERMINAL_PHASES:
+        if (scale := scale_patch(job, xj.parallelism)) is not None:
+            cluster.patch_job(namespace, current, scale)
+            before = job["spec"].get("parallelism")
+            job["spec"].update(scale["spec"])
+            kopf.info(body, reason="Scaled", message=f"Job {current}: {before} -> {xj.parallelism} pods")
         want = True if xj.suspend else (None if xj.scheduling.queueName else False)
         if want is not None and bool(job["spec"].get("suspend")) != want:
             cluster.patch_job(namespace, current, {"spec": {"suspend": want}})

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from hsx_extractor.contract import PROGRESS_COUNTERS, PROGRESS_FLAGS, PROGRESS_RATES, ProgressReport
 from hsx_operator.api import ExtractionJobSpec
-from hsx_operator.conditions import conditions_for, human_duration, parse_time, rfc3339
+from hsx_operator.conditions import conditions_for, parse_time, rfc3339
 from hsx_operator.desired import LABEL_QUEUE, PREFLIGHT_CONTAINER, job_name, manifest_uri, output_prefix
+from hsx_operator.fleet import aggregate, merge_replica
 from hsx_operator.pods import (
     KueueView,
     is_active,
@@ -37,9 +37,7 @@ from hsx_operator.status import (
     TERMINAL_PHASES,
     ExtractionJobStatus,
     Phase,
-    Progress,
     Reason,
-    ReplicaStatus,
     RunRecord,
 )
 
@@ -116,54 +114,6 @@ def start_run(prior: ExtractionJobStatus, spec: ExtractionJobSpec, xj_name: str)
 def needs_job(status: ExtractionJobStatus, job: Mapping[str, Any] | None) -> bool:
     """Create the run's Job only if it never existed: a finished (or lost) run is never started again."""
     return job is None and status.phase not in TERMINAL_PHASES and status.startTime is None
-
-
-# ----------------------------------------------------------------------------------- progress
-
-
-def merge_replica(
-    prior: ReplicaStatus | None, index: int, pod_name: str, report: ProgressReport
-) -> ReplicaStatus:
-    """One replica's status from a progress report; fields the report lacks keep their last value."""
-    base: dict[str, Any] = prior.model_dump() if prior else {"index": index}
-    base["index"] = index
-    base["pod"] = pod_name
-    given = report.model_fields_set
-    for key in ("state", *PROGRESS_COUNTERS, *PROGRESS_RATES, *PROGRESS_FLAGS, "etaSeconds", "samplesTotalEstimate"):
-        if key in given:
-            base[key] = getattr(report, key)
-    if "lastError" in given:
-        base["lastError"] = (report.lastError or "")[:4096]
-    if "samplesWritten" not in given and "samplesDone" in given:
-        # An extractor from before samplesWritten: what it finished and did not quarantine was written.
-        base["samplesWritten"] = max(base["samplesDone"] - base.get("samplesQuarantined", 0), 0)
-    return ReplicaStatus.model_validate(base)
-
-
-def aggregate(replicas: Sequence[ReplicaStatus], running: bool, updated: str | None) -> Progress:
-    """One progress block for the run: counts summed, ETA of the slowest replica."""
-    sums = {k: sum(getattr(r, k) for r in replicas) for k in PROGRESS_COUNTERS}
-    rates = {k: sum(getattr(r, k) for r in replicas) if running else 0.0 for k in PROGRESS_RATES}
-    active = [r for r in replicas if r.state not in ("succeeded", "failed")]
-    etas = [r.etaSeconds for r in active if r.etaSeconds is not None]
-    planning = running and any(r.planning for r in active)
-    # While planning: an ETA only when every planning replica estimated its total (by bytes read), and
-    # progress against the estimates, so it does not jump ahead of the truth.
-    eta = max(etas) if etas and running and all(r.etaSeconds is not None for r in active if r.planning) else None
-    total = sum(max(r.samplesTotal, r.samplesTotalEstimate or 0) if r.planning else r.samplesTotal for r in replicas)
-    # The extractor counts a quarantined sample as done (it is finished), so done alone is the progress.
-    percent = min(100, sums["samplesDone"] * 100 // total) if total else 0
-    return Progress.model_validate(
-        {
-            **sums,
-            **rates,
-            "etaSeconds": eta,
-            "eta": human_duration(eta),
-            "percent": percent,
-            "planning": planning,
-            "lastUpdateTime": updated,
-        }
-    )
 
 
 # -------------------------------------------------------------------------------------- observe

@@ -275,3 +275,13 @@ def pod_scheduled(pod: Mapping[str, Any]) -> bool:
         c.get("type") == "PodScheduled" and c.get("status") == "True"
         for c in pod.get("status", {}).get("conditions") or []
     )
+
+
+def scale_patch(job: Mapping[str, Any], parallelism: int) -> dict[str, Any] | None:
+    """The patch that gives a running Job ``parallelism`` pods, or None when it has them. Completions move
+    with it (an elastic Indexed Job keeps completions == parallelism): indexes past the new count are
+    removed by the Job controller, and their extractors release their shard leases on SIGTERM."""
+    spec = job.get("spec", {})
+    if spec.get("parallelism") == parallelism and spec.get("completions") == parallelism:
+        return None
+    return {"spec": {"completions": parallelism, "parallelism": parallelism}}

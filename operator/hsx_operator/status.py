@@ -120,6 +120,12 @@ class Progress(_Status):
     bytesCommitted: int = Field(default=0, description="Bytes of shards committed to the output.")
     shardsCommitted: int = Field(default=0, description="Shards committed to the output.")
     shardsTotal: int = Field(default=0, description="Shards the run will write.")
+    shardsLeased: int = Field(
+        default=0, description="Shards the running replicas hold a lease on now (being extracted)."
+    )
+    shards: str = Field(
+        default="", description="Shards committed/total, and of the rest how many are leased and how many free."
+    )
     planning: bool = Field(
         default=False,
         description="A pod is still reading the dataset to plan its shards (extraction has started): the "
@@ -147,17 +153,20 @@ class ReplicaStatus(_Status):
     state: str = Field(
         default="", description="The extractor's own state: starting, running, succeeded or failed."
     )
-    samplesTotal: int = Field(default=0, description="Samples assigned to this replica.")
-    samplesDone: int = Field(default=0, description="Samples this replica finished (written or quarantined).")
+    samplesTotal: int = Field(default=0, description="Samples in the run (shards are leased, not assigned).")
+    samplesDone: int = Field(
+        default=0, description="Samples of the run finished (written or quarantined), as this replica has seen them."
+    )
     samplesWritten: int = Field(default=0, description="Of samplesDone, those written to a shard.")
     samplesQuarantined: int = Field(default=0, description="Of samplesDone, those quarantined.")
     tokensDone: int = Field(default=0, description="Tokens this replica has done.")
     samplesPerSecond: float = Field(default=0.0, description="This replica's sample rate.")
     tokensPerSecond: float = Field(default=0.0, description="This replica's token rate.")
-    etaSeconds: float | None = Field(default=None, description="This replica's ETA in seconds.")
-    bytesCommitted: int = Field(default=0, description="Bytes this replica committed.")
-    shardsCommitted: int = Field(default=0, description="Shards this replica committed.")
-    shardsTotal: int = Field(default=0, description="Shards assigned to this replica.")
+    etaSeconds: float | None = Field(default=None, description="The run's ETA at this replica's pace alone.")
+    bytesCommitted: int = Field(default=0, description="Bytes of the run committed, as this replica has seen them.")
+    shardsCommitted: int = Field(default=0, description="Shards of the run committed, as this replica has seen them.")
+    shardsTotal: int = Field(default=0, description="Shards in the run's plan.")
+    shardsLeased: int = Field(default=0, description="Shards this replica holds a lease on now.")
     planning: bool = Field(
         default=False, description="Still reading the dataset to plan its shards: the totals are so far."
     )

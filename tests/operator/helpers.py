@@ -33,13 +33,14 @@ def job_json(
     failed: int = 0,
     suspend: bool = False,
     completion_time: str | None = None,
+    parallelism: int = 1,
 ) -> dict[str, Any]:
     status: dict[str, Any] = {"failed": failed, "conditions": conditions or []}
     if completion_time:
         status["completionTime"] = completion_time
     return {
         "metadata": {"name": name, "creationTimestamp": "2026-12-02T10:00:00Z"},
-        "spec": {"suspend": suspend},
+        "spec": {"suspend": suspend, "parallelism": parallelism, "completions": parallelism},
         "status": status,
     }
 

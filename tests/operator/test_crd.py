@@ -110,9 +110,10 @@ def test_printer_columns() -> None:
     version = crd["spec"]["versions"][0]
     cols = {c["name"]: c for c in version["additionalPrinterColumns"]}
     assert list(cols) == [
-        "Phase", "Reason", "Progress", "Written", "Quarantined", "Tok/s", "ETA", "Age", "Run", "Attempt"
+        "Phase", "Reason", "Progress", "Written", "Quarantined", "Tok/s", "ETA", "Age", "Run", "Attempt", "Pods",
+        "Shards",
     ]
-    assert all(cols[n].get("priority") == 1 for n in ("Run", "Attempt"))
+    assert all(cols[n].get("priority") == 1 for n in ("Run", "Attempt", "Pods", "Shards"))
     assert "priority" not in cols["Reason"]  # shown by default: Pending alone does not say why
     assert version["subresources"] == {"status": {}}
     assert crd["spec"]["names"]["shortNames"] == ["xj"]

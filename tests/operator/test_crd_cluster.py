@@ -309,7 +309,7 @@ def test_spec_is_locked_while_runid_stays(xj_crd: Any, namespace: str) -> None:
         "patch", "xj", "xj", "-n", namespace, "--type=merge", "-p", '{"spec":{"concurrency":5}}', check=False
     )
     assert changed.returncode != 0
-    assert "only runId and suspend may change; to run with other settings, change runId too" in changed.stderr
+    assert "only runId, suspend and parallelism may change; to run with other settings, change runId too" in changed.stderr
     window = xj_crd.kubectl(
         "patch",
         "xj",

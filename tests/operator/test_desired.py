@@ -17,6 +17,7 @@ from hsx_operator.desired import (
     Owner,
     desired_config_map,
     desired_job,
+    extract_config,
     initial_suspend,
     job_name,
     label_value,
@@ -319,7 +320,7 @@ def test_the_kueue_queue_label_on_the_extractionjob_names_its_queue() -> None:
 
 
 def test_a_continued_run_writes_under_the_run_it_continues() -> None:
-    from hsx_operator.desired import desired_config_map, extract_config, output_prefix
+    from hsx_operator.desired import desired_config_map, output_prefix
 
     spec = make_spec(runId="r2", continueFrom="r1")
     owner = Owner(name="xj", namespace="ml", uid="u")
@@ -355,7 +356,9 @@ def test_the_extractor_requests_real_numbers_and_its_scratch_has_a_ceiling() -> 
     # What the user names wins; a limit alone keeps Kubernetes' own default (request = limit).
     assert extractor["resources"] == {"requests": {"memory": "16Gi"}, "limits": {"cpu": "8"}}
     scratch = next(v for v in pod["volumes"] if v["name"] == "scratch")
-    assert scratch["emptyDir"]["sizeLimit"] == str(3 * (256 << 20) + (1 << 30))
+    # 8 cores run two extractor workers (one per 4), each with its own 3 open shards.
+    assert extract_config(spec).workers == 2
+    assert scratch["emptyDir"]["sizeLimit"] == str(2 * 3 * (256 << 20) + (1 << 30))
 
 
 def test_the_server_requests_cpu_and_memory_by_its_gpus_unless_the_spec_names_them() -> None:

@@ -166,7 +166,9 @@ def test_loading_server_is_starting_then_running_when_ready() -> None:
     assert cond(running, "ServerReady") == "True" and cond(running, "Reconciling") == "True"
 
 
-def test_progress_of_two_replicas_is_summed_and_kept_after_one_ends() -> None:
+def test_progress_of_two_replicas_is_the_run_they_see_and_kept_after_one_ends() -> None:
+    """Each replica reports the run's counts as it has seen them (shards are leased): the run's are the
+    largest; tokens and pace are each replica's own work, summed; the ETA is what is left at that pace."""
     p0 = pod_json("xj-r1-0-a", index=0, server=SERVER_READY, extractor=EXTRACTOR_RUNNING)
     p1 = pod_json("xj-r1-1-b", index=1, server=SERVER_READY, extractor=EXTRACTOR_RUNNING)
     reports = {
@@ -176,6 +178,7 @@ def test_progress_of_two_replicas_is_summed_and_kept_after_one_ends() -> None:
             "samplesQuarantined": 5,
             "tokensDone": 2000,
             "tokensPerSecond": 100.0,
+            "samplesPerSecond": 0.25,
             "etaSeconds": 30,
             "state": "running",
         },
@@ -184,14 +187,15 @@ def test_progress_of_two_replicas_is_summed_and_kept_after_one_ends() -> None:
             "samplesDone": 25,
             "tokensDone": 2500,
             "tokensPerSecond": 150.0,
+            "samplesPerSecond": 0.25,
             "etaSeconds": 90,
             "state": "running",
         },
     }
     st = run(job=job_json(), pods=[p0, p1], progress=reports).status
     p = st.progress
-    assert (p.samplesTotal, p.samplesDone, p.samplesQuarantined, p.tokensDone) == (100, 45, 5, 4500)
-    assert p.tokensPerSecond == 250.0 and p.etaSeconds == 90 and p.eta == "1m30s" and p.percent == 45
+    assert (p.samplesTotal, p.samplesDone, p.samplesQuarantined, p.tokensDone) == (50, 25, 5, 4500)
+    assert p.tokensPerSecond == 250.0 and p.etaSeconds == 50 and p.eta == "50s" and p.percent == 50
     assert [r.index for r in st.replicas] == [0, 1]
     # Replica 0 finished (its pod is gone from the poll); its numbers stay in the sum.
     p0_done = pod_json("xj-r1-0-a", index=0, phase="Succeeded")
@@ -201,36 +205,36 @@ def test_progress_of_two_replicas_is_summed_and_kept_after_one_ends() -> None:
         pods=[p0_done, p1],
         progress={"xj-r1-1-b": {**reports["xj-r1-1-b"], "samplesDone": 40}},
     ).status
-    assert later.progress.samplesDone == 60
+    assert later.progress.samplesDone == 40 and later.progress.tokensDone == 4500
     # Only replica 1 was polled: its pace is the run's; replica 0's last pace is gone, not summed.
-    assert later.progress.tokensPerSecond == 150.0 and later.progress.etaSeconds == 90
+    assert later.progress.tokensPerSecond == 150.0 and later.progress.etaSeconds == 40
     assert [r.tokensPerSecond for r in later.replicas] == [0.0, 150.0]
     # A reconcile that reaches no extractor (pod restarting, poll timed out) shows no pace, not an old one.
     unreachable = run(prior=later, job=job_json(), pods=[p0_done, p1], progress={}).status
     assert unreachable.progress.tokensPerSecond == 0 and unreachable.progress.etaSeconds is None
-    assert unreachable.progress.samplesDone == 60 and unreachable.progress.eta == ""
+    assert unreachable.progress.samplesDone == 40 and unreachable.progress.eta == ""
 
 
 def test_a_replica_still_planning_shows_its_totals_so_far_and_no_eta() -> None:
     p0 = pod_json("xj-r1-0-a", index=0, server=SERVER_READY, extractor=EXTRACTOR_RUNNING)
     p1 = pod_json("xj-r1-1-b", index=1, server=SERVER_READY, extractor=EXTRACTOR_RUNNING)
-    planned = {"samplesTotal": 50, "samplesDone": 20, "etaSeconds": 30, "state": "running"}
+    planned = {"samplesTotal": 50, "samplesDone": 20, "samplesPerSecond": 1.0, "state": "running"}
     reading = {"samplesTotal": 12, "samplesDone": 3, "etaSeconds": None, "planning": True, "state": "running"}
     st = run(job=job_json(), pods=[p0, p1], progress={"xj-r1-0-a": planned, "xj-r1-1-b": reading}).status
     assert st.progress.planning and st.progress.etaSeconds is None and st.progress.eta == ""
     assert [r.planning for r in st.replicas] == [False, True]
-    assert "23/62 samples" in st.message and "planning: the dataset is still being read" in st.message
+    assert "20/50 samples" in st.message and "planning: the dataset is still being read" in st.message
     # Once it stored its plan, the run's totals and ETA are the plan's.
-    known = {**reading, "samplesTotal": 50, "planning": False, "etaSeconds": 60}
+    known = {**reading, "samplesTotal": 50, "samplesDone": 21, "planning": False, "samplesPerSecond": 0.0}
     later = run(prior=st, job=job_json(), pods=[p0, p1], progress={"xj-r1-0-a": planned, "xj-r1-1-b": known}).status
-    assert not later.progress.planning and later.progress.etaSeconds == 60 and "planning" not in later.message
+    assert not later.progress.planning and later.progress.etaSeconds == 29 and "planning" not in later.message
 
 
 def test_planning_progress_uses_the_estimated_total_and_never_goes_backwards() -> None:
     p0 = pod_json("xj-r1-0-a", index=0, server=SERVER_READY, extractor=EXTRACTOR_RUNNING)
     # Rows read so far: 10 placed, 9 done; the bytes read say the dataset holds about 100.
-    early = {"samplesTotal": 10, "samplesDone": 9, "planning": True, "samplesTotalEstimate": 100, "etaSeconds": 91,
-             "state": "running"}  # fmt: skip
+    early = {"samplesTotal": 10, "samplesDone": 9, "planning": True, "samplesTotalEstimate": 100,
+             "samplesPerSecond": 1.0, "state": "running"}  # fmt: skip
     st = run(job=job_json(), pods=[p0], progress={"xj-r1-0-a": early}).status
     assert st.progress.percent == 9 and st.progress.etaSeconds == 91  # not 90% of the rows read so far
     # A later report whose estimate grew gives a lower ratio: the printed progress holds.
@@ -238,7 +242,7 @@ def test_planning_progress_uses_the_estimated_total_and_never_goes_backwards() -
     again = run(prior=st, job=job_json(), pods=[p0], progress={"xj-r1-0-a": later}).status
     assert again.progress.percent == 9
     # No estimate (a compressed dataset): no ETA while planning, as before.
-    blind = {**early, "samplesTotalEstimate": None, "etaSeconds": None}
+    blind = {**early, "samplesTotalEstimate": None}
     assert run(job=job_json(), pods=[p0], progress={"xj-r1-0-a": blind}).status.progress.etaSeconds is None
 
 
@@ -278,10 +282,10 @@ def test_written_and_quarantined_are_shown_apart_from_reports_to_history() -> No
         (25, 21, 4),
     ]
     p = st.progress
-    assert (p.samplesDone, p.samplesWritten, p.samplesQuarantined) == (45, 38, 7)
-    assert st.phase == "Running" and "45/100 samples (38 written, 7 quarantined)" in st.message
+    assert (p.samplesDone, p.samplesWritten, p.samplesQuarantined) == (25, 21, 4)
+    assert st.phase == "Running" and "25/50 samples (21 written, 4 quarantined)" in st.message
     dumped = st.model_dump()["progress"]
-    assert dumped["samplesWritten"] == 38 and dumped["samplesQuarantined"] == 7  # the printer columns' paths
+    assert dumped["samplesWritten"] == 21 and dumped["samplesQuarantined"] == 4  # the printer columns' paths
     # The final report of a finished pod (its termination message) splits them the same way.
     term = {"state": {"terminated": {"exitCode": 0, "message": (
         '{"samplesTotal": 10, "samplesDone": 10, "samplesWritten": 8, "samplesQuarantined": 2, "state": "succeeded"}'
@@ -489,3 +493,19 @@ def test_quarantined_samples_are_announced_once_and_named_in_the_final_message()
     )
     st = run(prior=again.status, job=done, pods=[pod_json(phase="Succeeded", extractor=term)]).status
     assert st.phase == "Succeeded" and st.message.endswith("2 sample(s) quarantined (listed in the manifest)")
+
+
+def test_shards_show_committed_leased_and_free_and_a_scale_patches_only_a_job_of_another_size() -> None:
+    from hsx_operator.pods import scale_patch
+
+    p0 = pod_json("xj-r1-0-a", index=0, server=SERVER_READY, extractor=EXTRACTOR_RUNNING)
+    p1 = pod_json("xj-r1-1-b", index=1, server=SERVER_READY, extractor=EXTRACTOR_RUNNING)
+    seen = {"samplesTotal": 100, "shardsTotal": 10, "shardsCommitted": 4, "state": "running"}
+    reports = {"xj-r1-0-a": {**seen, "shardsLeased": 2}, "xj-r1-1-b": {**seen, "shardsCommitted": 3, "shardsLeased": 1}}
+    p = run(job=job_json(), pods=[p0, p1], progress=reports).status.progress
+    assert (p.shardsCommitted, p.shardsLeased, p.shards) == (4, 3, "4/10 (3 leased, 3 free)")
+    finished = {k: {**v, "shardsCommitted": 10, "shardsLeased": 0, "state": "succeeded"} for k, v in reports.items()}
+    assert run(job=job_json(), pods=[p0, p1], progress=finished).status.progress.shards == "10/10"
+    job = {"spec": {"parallelism": 2, "completions": 2}}
+    assert scale_patch(job, 2) is None
+    assert scale_patch(job, 4) == {"spec": {"completions": 4, "parallelism": 4}}
