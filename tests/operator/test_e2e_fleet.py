@@ -59,6 +59,11 @@ def test_a_run_scaled_2_4_1_with_a_pod_deleted_mid_shard_stores_every_row_once(
                       120, "the joined pods to lease shards")  # fmt: skip
     assert "leased" in leased["shards"], leased
 
+    def pod_3_holds_a_shard() -> bool:
+        return any(r["index"] == 3 and r.get("shardsLeased", 0) >= 1 for r in ns.status("elastic").get("replicas", []))
+
+    # Its server starts before its extractor: delete it once it reports a lease, i.e. mid-shard.
+    wait_for(pod_3_holds_a_shard, 240, "pod 3 to lease a shard")
     (victim,) = [p for p in ns.pods_of("elastic-r1") if p["metadata"]["annotations"][INDEX] == "3"]
     ns.kubectl("delete", "pod", victim["metadata"]["name"], "--wait=false")
 
