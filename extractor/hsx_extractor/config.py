@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from hsx_extractor.model import final_state_problem
 from hsx_extractor.usage import UsageError
 
 RUN_ID_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$"
@@ -339,6 +340,12 @@ class ExtractConfig(_Spec):
         description="The server's --return-aux-hidden-state-layer-ids (None: EAGLE-3's default). SGLang's "
         "/get_model_info does not report the capture layers, so the extractor derives them from these.",
     )
+    finalState: Literal["post-norm", "pre-norm"] | None = Field(
+        None,
+        description="The final layer's state the server dumps: after the model's final norm (post-norm) or its "
+        "input (pre-norm, what speculators trains on). None: the engine's own (SGLang post-norm, vLLM pre-norm); "
+        "SGLang dumps pre-norm when started with it (launch.server_env), vLLM only pre-norm.",
+    )
     replicaIndex: int = Field(0, ge=0, description="This pod's index among parallel replicas.")
     replicaCount: int = Field(
         1, ge=1, description="Number of parallel replicas the run was started with (shards are leased, "
@@ -370,6 +377,13 @@ class ExtractConfig(_Spec):
         if v == "manifest":
             raise ValueError(f"runId {v!r} is reserved")
         return v
+
+    @model_validator(mode="after")
+    def _engine_dumps_final_state(self) -> ExtractConfig:
+        problem = final_state_problem(self.engine, self.finalState)
+        if problem:
+            raise ValueError(problem)
+        return self
 
 
 def with_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -93,6 +93,18 @@ def capture_layers(architecture: str, num_layers: int, layer_ids: Sequence[int] 
 # What each engine's dumps hold as the final state (protocol.FINAL_STATE_KEY): SGLang's hook takes the
 # model's output after the final norm; vLLM's extract_hidden_states can only capture before it.
 ENGINE_FINAL_STATE = {"sglang": FINAL_POST_NORM, "vllm": FINAL_PRE_NORM}
+# What each engine can dump when asked (sglang_hook/prenorm.py keeps SGLang's norm input).
+ENGINE_FINAL_STATES = {"sglang": (FINAL_POST_NORM, FINAL_PRE_NORM), "vllm": (FINAL_PRE_NORM,)}
+
+
+def final_state_problem(engine: str, asked: str | None) -> str | None:
+    """Why ``engine`` cannot dump the ``asked`` final state (None: it can, or nothing was asked)."""
+    if asked is None or asked in ENGINE_FINAL_STATES[engine]:
+        return None
+    return (
+        f"finalState {asked}: the {engine} engine dumps only {', '.join(ENGINE_FINAL_STATES[engine])} "
+        "(hsx export --model applies the final norm when a trainer needs post-norm states)"
+    )
 
 
 def vllm_layer_ids(capture_layers: Sequence[int], num_layers: int) -> list[int]:
@@ -180,6 +192,7 @@ def model_shape(
     model_path: str | None,
     aux_layer_ids: Sequence[int] | None = None,
     engine: str = "sglang",
+    final_state: str | None = None,
 ) -> ModelShape:
     """Shape from the server's /get_model_info, falling back to the model's config.json (SGLang reports less).
 
@@ -210,7 +223,7 @@ def model_shape(
         int(vocab) if vocab else None,
         arch,
         info.get("model_path") or model_path,
-        ENGINE_FINAL_STATE[engine],
+        final_state or ENGINE_FINAL_STATE[engine],
     )
 
 

@@ -40,7 +40,6 @@ SHORT_NAMES = ("xj",)
 DEFAULT_SERVER_IMAGES = {"sglang": "ghcr.io/hsx-dev/hsx-sglang:0.1.0", "vllm": "ghcr.io/hsx-dev/hsx-vllm:0.1.0"}
 DEFAULT_EXTRACTOR_IMAGE = "ghcr.io/hsx-dev/hsx-extractor:0.1.0"
 
-# Kubernetes resource quantity (1, 500m, 16Gi, 1.5e3, ...).
 ABS_PATH_PATTERN = r"^/.*$"
 
 # Fields the operator passes through to each pod's extractor config take that config's defaults.
@@ -160,6 +159,11 @@ class ModelSpec(_Spec):
         min_length=1,
         max_length=8,
         json_schema_extra={"items": {"type": "integer", "minimum": 0, "maximum": 1023}},
+    )
+    finalState: Literal["post-norm", "pre-norm"] | None = Field(
+        default=None,
+        description="The final layer's state to capture: post-norm (after the model's final norm; SGLang's default) "
+        "or pre-norm (its input: what speculators trains on; vLLM's only). The manifest's capture.finalState says which.",
     )
 
 
@@ -383,6 +387,12 @@ class ExtractionJobSpec(_Spec):
                     reason="FieldValueForbidden",
                 ),
                 cel(
+                    "!has(self.model.finalState) || self.model.finalState == 'pre-norm' || "
+                    "!has(self.server.engine) || self.server.engine != 'vllm'",
+                    "model.finalState post-norm needs server.engine sglang: vLLM dumps only pre-norm "
+                    "(hsx export --model applies the final norm)",
+                ),
+                cel(
                     "self.server.port != self.extractor.progressPort",
                     "server.port and extractor.progressPort must differ: both listen in the same pod",
                 ),
@@ -430,10 +440,7 @@ class ExtractionJobSpec(_Spec):
         json_schema_extra={"default": {}},
     )
     concurrency: int = Field(
-        default=_EXTRACT_DEFAULTS["concurrency"].default,
-        ge=1,
-        le=1024,
-        description="Requests in flight at each pod's server.",
+        default=_EXTRACT_DEFAULTS["concurrency"].default, ge=1, le=1024, description="Requests in flight at each pod's server."
     )
     parallelism: int = Field(
         default=1,
@@ -443,10 +450,7 @@ class ExtractionJobSpec(_Spec):
         "next unclaimed shard, and may change while the run goes on (more pods join, fewer release their shards).",
     )
     backoffLimit: int = Field(
-        default=3,
-        ge=0,
-        le=100,
-        description="Pod failures retried before the run fails; evictions and disruptions do not count.",
+        default=3, ge=0, le=100, description="Pod failures retried before the run fails; evictions and disruptions do not count."
     )
     activeDeadlineSeconds: int | None = Field(
         default=None,

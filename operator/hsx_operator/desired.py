@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from hsx_extractor import protocol
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.contract import DATASET_CREDENTIALS_ENV, EXIT_PERMANENT
 from hsx_extractor.sglang_hook import launch as sglang_launch
@@ -142,6 +143,7 @@ def extract_config(spec: ExtractionJobSpec) -> ExtractConfig:
         dumpDirMaxBytes=spec.extractor.dumpDirMaxBytes,
         modelPath=spec.model.path,
         auxLayerIds=spec.model.auxLayerIds or None,
+        finalState=spec.model.finalState,
         replicaCount=spec.parallelism,
         workers=extractor_workers(spec),
         progressPort=spec.extractor.progressPort,
@@ -202,7 +204,7 @@ def literal_arg(arg: str) -> str:
 def _server_env(spec: ExtractionJobSpec) -> dict[str, str]:
     if spec.server.engine == "vllm":
         return vllm_launch.server_env(DUMP_DIR)
-    return sglang_launch.server_env(DUMP_DIR)
+    return sglang_launch.server_env(DUMP_DIR, final_state=spec.model.finalState or protocol.FINAL_POST_NORM)
 
 
 def health_probe(port: int) -> dict[str, Any]:

@@ -127,17 +127,19 @@ def run_extract(cfg: Path, log: Path, timeout: float = 600) -> int:
 
 def check_run(
     run_uri: Path, rows: list[dict[str, Any]], hf_model: Any, hf_tokenizer: Any, capture: list[int],
-    final_state: str = protocol.FINAL_POST_NORM,
+    final_state: str = protocol.FINAL_POST_NORM, engine_name: str | None = None,
 ) -> dict[str, float]:  # fmt: skip
-    """Verify passes, nothing quarantined, every row stored once and equal to transformers."""
+    """Verify passes, nothing quarantined, every row stored once and equal to transformers. The engine is
+    the one that dumps ``final_state`` by default unless ``engine_name`` says which."""
     report = verify_json(run_uri)
     assert report["ok"] and report["manifest"], report
     assert report["quarantined"] == 0 and report["samples"] == len(rows), report
     manifest = json.loads((run_uri / "manifest.json").read_text())
-    engine = {protocol.FINAL_POST_NORM: ("sglang", SGLANG_VERSION), protocol.FINAL_PRE_NORM: ("vllm", VLLM_VERSION)}
+    versions = {"sglang": SGLANG_VERSION, "vllm": VLLM_VERSION}
+    engine = engine_name or {protocol.FINAL_POST_NORM: "sglang", protocol.FINAL_PRE_NORM: "vllm"}[final_state]
     assert manifest["capture"] == {
-        "engine": engine[final_state][0],
-        "engineVersion": engine[final_state][1],
+        "engine": engine,
+        "engineVersion": versions[engine],
         "layerIds": capture,
         "layerConvention": "layer-input",
         "finalState": final_state,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hsx_extractor import protocol
 from hsx_extractor.sglang_hook.launch import server_args, server_env
 from tests.engines.sglang_venv import process_env, venv_python
 from tests.ground.procs import engine_shm_files, remove_orphaned_shm
@@ -69,6 +70,7 @@ class SGLangServer:
     chunked_prefill_size: int = -1
     layer_ids: list[int] | None = None
     extra_args: tuple[str, ...] = ()
+    final_state: str = protocol.FINAL_POST_NORM  # pre-norm: the hook keeps the final norm's input
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
@@ -110,7 +112,7 @@ class SGLangServer:
         extra = dict(CPU_ENV)
         if self.hook:
             assert self.dump_dir is not None
-            extra.update(server_env(str(self.dump_dir)))
+            extra.update(server_env(str(self.dump_dir), final_state=self.final_state))
         env = process_env(self.hsx_dir, extra, self.standin_log)
         if not self.hook:
             env.pop("SGLANG_HS_DUMP_DIR", None)

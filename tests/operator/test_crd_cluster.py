@@ -40,6 +40,12 @@ def _with(path: str, value: Any) -> dict[str, Any]:
     return doc
 
 
+def _vllm_post_norm() -> dict[str, Any]:
+    doc = _with("server", {"engine": "vllm"})
+    doc["spec"]["model"]["finalState"] = "post-norm"
+    return doc
+
+
 DELETE = object()
 
 # (case id, manifest, fragment the API server's answer must contain)
@@ -227,6 +233,7 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         _with("server", {"engine": "vllm", "gpus": 8, "tensorParallel": 4}),
         "server.engine vllm runs one tensor-parallel group per pod",
     ),
+    ("vllm-post-norm", _vllm_post_norm(), "model.finalState post-norm needs server.engine sglang"),
     ("no-spec", {k: v for k, v in VALID.items() if k != "spec"}, "spec: Required value"),
     ("continue-from-itself", _with("continueFrom", "r1"), "continueFrom names an earlier runId"),
     ("pod-label-long-value", _with("pod", {"labels": {"team": "x" * 64}}), "spec.pod.labels.team: Too long"),

@@ -229,6 +229,18 @@ def test_desired_job_is_a_pure_function_of_the_spec() -> None:
     )
 
 
+def test_pre_norm_final_state_reaches_the_server_and_the_extractor() -> None:
+    spec = make_spec(model={"path": "/m", "finalState": "pre-norm"})
+    (_, server) = _pod(desired_job(OWNER, spec))["initContainers"]
+    assert {"name": "SGLANG_HS_FINAL_STATE", "value": "pre-norm"} in server["env"]
+    config = ExtractConfig.model_validate(yaml.safe_load(desired_config_map(OWNER, spec)["data"]["config.yaml"]))
+    assert config.finalState == "pre-norm"
+    (_, default) = _pod(desired_job(OWNER, make_spec()))["initContainers"]
+    assert not [e for e in default["env"] if e["name"] == "SGLANG_HS_FINAL_STATE"]
+    with pytest.raises(ValueError, match="the vllm engine dumps only pre-norm"):
+        ExtractConfig.model_validate({**config.model_dump(), "engine": "vllm", "finalState": "post-norm"})
+
+
 def test_vllm_engine_renders_hsx_launcher_in_a_vllm_container() -> None:
     spec = make_spec(
         model={"path": "/m", "auxLayerIds": [1, 15, 28]},

@@ -259,7 +259,7 @@ class Extraction:
             self.progress.watch_in_flight(lambda: client.in_flight)
             await client.wait_healthy(cfg.serverStartTimeoutSeconds, self.progress.waiting)
             info = await client.model_info()
-            shape = model_shape(info, cfg.modelPath, cfg.auxLayerIds, cfg.engine)
+            shape = model_shape(info, cfg.modelPath, cfg.auxLayerIds, cfg.engine, cfg.finalState)
             check_vocab(shape, tok.vocab_size, cfg.modelPath)
             # SGLang's /get_model_info and vLLM name no producer; the reference server names itself.
             producer = str(info.get("producer") or ENGINE_PRODUCERS[cfg.engine])

@@ -55,7 +55,8 @@ def check_dump(
     if final_state is not None and meta.final_state != final_state:
         raise DumpShapeError(
             f"dump {rid} holds the {meta.final_state} final state ({meta.producer}); the run expects "
-            f"{final_state}: the server is another engine than the run's `engine`"
+            f"{final_state}: the server is another engine than the run's `engine`, or was started for "
+            "another `finalState` (SGLang's hook: SGLANG_HS_FINAL_STATE)"
         )
     layers_differ = capture_layers is not None and tuple(meta.capture_layers) != tuple(capture_layers)
     if meta.hidden_size != hidden_size or meta.num_aux != num_aux or layers_differ:

@@ -17,12 +17,14 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-from hsx_extractor.protocol import DUMP_DIR_ENV
+from hsx_extractor.protocol import DUMP_DIR_ENV, FINAL_POST_NORM, FINAL_PRE_NORM
 from hsx_extractor.sglang_hook.launch import (
+    FINAL_STATE_ENV,
+    FINAL_STATES,
     SGLANG_VERSION,
     TARGET_CLASS,
     TARGET_KWONLY,
@@ -75,22 +77,28 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 class HookFinder(importlib.abc.MetaPathFinder):
-    """Patches the target module on import; refuses ``sglang`` itself when the version is wrong."""
+    """Patches the target modules on import; refuses ``sglang`` itself when the version is wrong."""
 
-    def __init__(self, version_problem: HookVersionError | None) -> None:
+    def __init__(
+        self,
+        version_problem: HookVersionError | None,
+        patches: dict[str, Callable[[ModuleType], None]] | None = None,
+    ) -> None:
         self.version_problem = version_problem
+        self.patches = patches if patches is not None else {TARGET_MODULE: patch_module}
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
         if self.version_problem is not None and fullname == "sglang":
             raise self.version_problem
-        if fullname != TARGET_MODULE:
+        patch = self.patches.get(fullname)
+        if patch is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return spec
-        spec.loader = _PatchingLoader(spec.loader, patch_module)
+        spec.loader = _PatchingLoader(spec.loader, patch)
         return spec
 
 
@@ -120,6 +128,24 @@ def patch_module(module: ModuleType) -> None:
     log.info("hsx: patched %s.%s; dumps go to %s", TARGET_CLASS, TARGET_METHOD, os.environ.get(DUMP_DIR_ENV))
 
 
+def final_state(environ: Mapping[str, str]) -> str:
+    """The final state this process dumps (FINAL_STATE_ENV; post-norm when unset)."""
+    value = environ.get(FINAL_STATE_ENV) or FINAL_POST_NORM
+    if value not in FINAL_STATES:
+        raise RuntimeError(f"hsx SGLang hook: {FINAL_STATE_ENV} must be one of {FINAL_STATES}, got {value!r}")
+    return value
+
+
+def module_patches(environ: Mapping[str, str]) -> dict[str, Callable[[ModuleType], None]]:
+    """Module name -> what to patch in it, for a process with this environment."""
+    patches: dict[str, Callable[[ModuleType], None]] = {TARGET_MODULE: patch_module}
+    if final_state(environ) == FINAL_PRE_NORM:
+        from hsx_extractor.sglang_hook import prenorm
+
+        patches.update(prenorm.PATCHES)
+    return patches
+
+
 _installed = False
 
 
@@ -137,10 +163,13 @@ def install(environ: dict[str, str] | None = None) -> bool:
     problem = None if installed == SGLANG_VERSION else version_error(installed)
     if problem is not None:
         print(f"ERROR: {problem}", file=sys.stderr)
-    sys.meta_path.insert(0, HookFinder(problem))
+    patches = module_patches(env)
+    sys.meta_path.insert(0, HookFinder(problem, patches))
     _installed = True
-    if problem is None and TARGET_MODULE in sys.modules:
-        patch_module(sys.modules[TARGET_MODULE])
+    if problem is None:
+        for name, patch in patches.items():
+            if name in sys.modules:
+                patch(sys.modules[name])
     return True
 
 
@@ -185,7 +214,7 @@ def _make_process_hook() -> Any:
         ids = get_exec().features.return_aux_hidden_state_layer_ids
         return resolve_capture_info(processor, None if ids is None else list(ids))
 
-    return ExtractionHook(writer, attn_tp_rank, capture_info)
+    return ExtractionHook(writer, attn_tp_rank, capture_info, final_state(os.environ))
 
 
 def _positive_env(name: str, default: int) -> int:

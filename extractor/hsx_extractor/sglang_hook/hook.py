@@ -7,7 +7,8 @@ is committed: the final chunk of a request that was not retracted or discarded.
 
 For a request with ``return_hidden_states=True`` the wrapper takes over: middle chunks are
 staged to host and kept, the final chunk completes the request and hands aux rows, final rows
-(``logits_output.last_hidden_states``) and ``origin_input_ids`` to the background writer.
+(``logits_output.last_hidden_states``: after the final norm, or its input with prenorm.py) and
+``origin_input_ids`` to the background writer.
 SGLang's own ``.tolist()`` path is skipped for it, so the HTTP response carries no hidden states.
 Everything else goes to SGLang's original method unchanged.
 """
@@ -24,6 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hsx_extractor import model, protocol
+from hsx_extractor.sglang_hook import prenorm
 from hsx_extractor.sglang_hook.launch import HOOK_PRODUCER
 from hsx_extractor.sglang_hook.writer import DumpJob, ErrorJob, Staged, stage
 
@@ -97,8 +99,10 @@ class ExtractionHook:
         sink: Sink,
         attn_tp_rank: Callable[[], int],
         capture_info: Callable[[Any], CaptureInfo],
+        final_state: str = protocol.FINAL_POST_NORM,
     ) -> None:
         self._sink = sink
+        self.final_state = final_state
         self._attn_tp_rank = attn_tp_rank
         self._resolve_capture = capture_info
         self._capture: CaptureInfo | None = None
@@ -144,12 +148,16 @@ class ExtractionHook:
         final_all = logits_output.last_hidden_states
         if final_all is None:
             self.pending.pop(rid, None)
-            self._error(
-                rid,
-                "no_final_hidden_states",
-                "logits_output.last_hidden_states is missing: start the server with "
-                "--enable-return-aux-hidden-states --speculative-algorithm EAGLE3",
-            )
+            why = prenorm.problem() if self.final_state == protocol.FINAL_PRE_NORM else None
+            if why is not None:
+                self._error(rid, "no_pre_norm_state", why)
+            else:
+                self._error(
+                    rid,
+                    "no_final_hidden_states",
+                    "logits_output.last_hidden_states is missing: start the server with "
+                    "--enable-return-aux-hidden-states --speculative-algorithm EAGLE3",
+                )
             return
         aux, final = aux_all[start:end], final_all[start:end]
         pending = self.pending.setdefault(rid, _Pending())
@@ -212,7 +220,7 @@ class ExtractionHook:
                 "architecture": info.architecture,
                 "source_dtype": str(pending.aux[0].host.dtype).removeprefix("torch."),
                 "chunks": str(len(pending.aux)),
-                protocol.FINAL_STATE_KEY: protocol.FINAL_POST_NORM,
+                protocol.FINAL_STATE_KEY: self.final_state,
             },
         )
         self._sink.submit(DumpJob(meta=meta, input_ids=ids, aux=pending.aux, final=pending.final))

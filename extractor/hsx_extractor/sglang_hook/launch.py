@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from hsx_extractor.protocol import DUMP_DIR_ENV
+from hsx_extractor.protocol import DUMP_DIR_ENV, FINAL_POST_NORM, FINAL_PRE_NORM
 
 # The one SGLang release the hook is written against; any other version fails at start.
 SGLANG_VERSION = "0.5.23"
@@ -16,6 +16,11 @@ SGLANG_VERSION = "0.5.23"
 HOOK_PRODUCER = f"hsx-sglang-hook/sglang-{SGLANG_VERSION}"
 # The official image of that release (Docker Hub); the `sglang` image target builds FROM it.
 SGLANG_BASE_IMAGE = f"lmsysorg/sglang:v{SGLANG_VERSION}"
+
+# Which final state the hook dumps (protocol.FINAL_STATE_KEY): post-norm (SGLang's own output, the default)
+# or pre-norm (the final norm's input, kept by sglang_hook/prenorm.py).
+FINAL_STATE_ENV = "SGLANG_HS_FINAL_STATE"
+FINAL_STATES = (FINAL_POST_NORM, FINAL_PRE_NORM)
 
 # What the hook patches: module, class and method, by name.
 TARGET_MODULE = "sglang.srt.managers.scheduler_components.batch_result_processor"
@@ -161,11 +166,17 @@ def server_args(
     return argv + extra
 
 
-def server_env(dump_dir: str, *, context_length: int | None = None) -> dict[str, str]:
+def server_env(
+    dump_dir: str, *, context_length: int | None = None, final_state: str = FINAL_POST_NORM
+) -> dict[str, str]:
     """Environment variables the server container needs in extraction mode."""
     if not dump_dir:
         raise ValueError("dump_dir is empty")
+    if final_state not in FINAL_STATES:
+        raise ValueError(f"final_state {final_state!r} is not one of {FINAL_STATES}")
     env = {DUMP_DIR_ENV: dump_dir}
+    if final_state != FINAL_POST_NORM:
+        env[FINAL_STATE_ENV] = final_state
     if context_length is not None:
         # SGLang refuses a --context-length above the model config's unless this is set.
         env["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
