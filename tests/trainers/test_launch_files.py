@@ -14,6 +14,7 @@ import pytest
 
 from hsx_extractor.tools.cli import main as hsx
 from hsx_extractor.tools.export import EXPORT_RECORD
+from hsx_extractor.tools.trainer_launch import SPECFORGE_DRAFT_CONFIG
 from hsx_extractor.tools.vocab import write_vocab
 
 HERE = Path(__file__).resolve().parent
@@ -38,7 +39,12 @@ def test_each_trainers_own_loader_accepts_the_launch_file(
         assert f"train with: {record['launch']['command']}" in out, out
     assert (dests["speculators"] / f"d2t-{DRAFT}.npy").is_file() and (dests["speculators"] / "token_freq.pt").is_file()
     assert np.array_equal(np.load(dests["speculators"] / f"t2d-{DRAFT}.npy"), np.load(vocab / "t2d.npy"))
-    assert "draft_vocab_size must be 16" in json.dumps(json.loads((dests["specforge"] / EXPORT_RECORD).read_text()))
+    # SpecForge's draft config carries the draft vocabulary's size (its generated default assumes 32000).
+    draft = json.loads((dests["specforge"] / SPECFORGE_DRAFT_CONFIG).read_text())
+    assert draft["draft_vocab_size"] == DRAFT and draft["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert json.loads((dests["specforge"] / "specforge.json").read_text())["model"]["draft_model_config"] == str(
+        (dests["specforge"] / SPECFORGE_DRAFT_CONFIG).resolve()
+    )
 
     done = subprocess.run([str(trainers_python), str(HERE / "launch_side.py"), *map(str, dests.values())],
                           capture_output=True, text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})  # fmt: skip

@@ -2,7 +2,9 @@
 its settings filled in from the run (paths, layer ids, sequence length, draft vocabulary) and the
 command to run (docs/training.md). Pure: the files' contents from the export record.
 
-* SpecForge 0.2: ``specforge.json``, a ``specforge train -c`` config (its ``Config`` schema).
+* SpecForge 0.2: ``specforge.json``, a ``specforge train -c`` config (its ``Config`` schema), and
+  ``specforge-draft.json``, the one-layer EAGLE-3 draft's config with the draft vocabulary's size
+  (SpecForge's generated default assumes 32000 draft tokens) when the target's config.json is readable.
 * speculators 0.9: ``speculators.args``, the ``speculators train`` flags one per line, and the draft
   vocabulary copied into the data folder under the size-keyed names it finds there without flags.
 * Model-Optimizer 0.47: ``modelopt.overrides``, dotlist overrides of its EAGLE-3 recipe
@@ -27,6 +29,15 @@ from hsx_extractor.tools.vocab import T2D_FILE as VOCAB_T2D_NPY
 SPECFORGE_CONFIG = "specforge.json"
 SPECULATORS_ARGS = "speculators.args"
 MODELOPT_OVERRIDES = "modelopt.overrides"
+SPECFORGE_DRAFT_CONFIG = "specforge-draft.json"
+# The target's config.json keys a draft layer shares with it (the Llama decoder layer's shape and rope).
+DRAFT_SHARED_KEYS = (
+    "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim",
+    "max_position_embeddings", "rms_norm_eps", "hidden_act", "initializer_range", "attention_bias",
+    "attention_dropout", "rope_theta", "rope_scaling", "rope_parameters", "bos_token_id", "eos_token_id", "pad_token_id",
+)  # fmt: skip
+
+
 class LaunchError(ValueError):
     """The export cannot say how to launch the trainer (a vocabulary folder that is not hsx vocab's)."""
 
@@ -52,6 +63,28 @@ def draft_vocab_size(vocab_dir: Path) -> int:
     return int(d2t.size)
 
 
+def specforge_draft_config(target: dict[str, Any], draft_vocab: int | None) -> dict[str, Any]:
+    """SpecForge's EAGLE-3 draft (one Llama decoder layer) for ``target`` (its config.json, text part)."""
+    text = target.get("text_config") or target
+    shared = {k: text[k] for k in DRAFT_SHARED_KEYS if text.get(k) is not None}
+    return {
+        **shared,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "tie_word_embeddings": False,
+        "draft_vocab_size": draft_vocab or int(text["vocab_size"]),
+    }
+
+
+def _target_config(target_model: str) -> dict[str, Any] | None:
+    try:
+        config = json.loads((Path(target_model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # a path of the pods, not of this machine: the note says what to set
+    return config if isinstance(config, dict) and "vocab_size" in (config.get("text_config") or config) else None
+
+
 def launch(
     trainer: str, record: dict[str, Any], dest: Path, target_model: str, max_length: int | None, vocab: Path | None
 ) -> Launch:
@@ -63,14 +96,22 @@ def launch(
         model: dict[str, Any] = {"target_model_path": target_model, "aux_hidden_state_layer_ids": layers}
         if vocab is not None:
             model["vocab_mapping_path"] = str((vocab / VOCAB_MAPPING).resolve())
+        files: dict[str, str] = {}
+        notes: tuple[str, ...] = ()
+        target = _target_config(target_model)
+        if target is not None:
+            model["draft_model_config"] = str(dest.resolve() / SPECFORGE_DRAFT_CONFIG)
+            files[SPECFORGE_DRAFT_CONFIG] = json.dumps(specforge_draft_config(target, size), indent=2) + "\n"
+        else:
+            notes = (f"{target_model}/config.json is not readable here: give model.draft_model_config a draft config "
+                     f"with draft_vocab_size {size or 'the target vocabulary size'}",)  # fmt: skip
         config = {
             "model": model,
             "data": {"hidden_states_path": data, **({"max_length": max_length} if max_length else {})},
             "output_dir": str(dest.resolve().parent / f"{dest.name}-draft"),
         }
-        notes = (f"the draft config's draft_vocab_size must be {size}",) if size else ()
-        path = dest.resolve() / SPECFORGE_CONFIG
-        return Launch({SPECFORGE_CONFIG: json.dumps(config, indent=2) + "\n"}, f"specforge train -c {path}", notes)
+        files[SPECFORGE_CONFIG] = json.dumps(config, indent=2) + "\n"
+        return Launch(files, f"specforge train -c {dest.resolve() / SPECFORGE_CONFIG}", notes)
     if trainer == "speculators":
         args = ["--verifier-name-or-path", target_model, "--data-path", data, "--on-missing", "raise"]
         args += ["--target-layer-ids", *map(str, layers)]
