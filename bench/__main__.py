@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in one go, then a one-screen summary (results in bench/results/).
 
-    .venv/bin/python -m bench [--only b1,b2,b3,b4,memory,hook_writer,tokenize,reader,first_request,extractor_cost,extractor_scaling,gil,s3_clients]
+    .venv/bin/python -m bench [--only b1,b2,b3,b4,memory,hook_writer,tokenize,reader,first_request,extractor_cost,extractor_scaling,gil,s3_clients,workers,fleet_tail]
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ def benchmarks() -> dict[str, Callable[[], dict[str, Any]]]:
     from bench.b4_operator import run_b4
     from bench.extractor_cost import run_core_scaling, run_extractor_cost
     from bench.first_request import run_first_request
+    from bench.fleet_tail import run_fleet_tail
     from bench.gil import run_gil
     from bench.hook_writer import run_hook_writer
     from bench.memory import run_memory
     from bench.reader import main as run_reader
     from bench.s3_clients import run_s3_clients
     from bench.tokenize import run_tokenize
+    from bench.workers import run_workers
 
     return {
         "b1": run_b1,
@@ -44,6 +46,8 @@ def benchmarks() -> dict[str, Callable[[], dict[str, Any]]]:
         "extractor_scaling": lambda: run_core_scaling(mib=2048, rounds=3, codec="bf16-zstd", pairs=2, shard_mib=1024),
         "gil": run_gil,
         "s3_clients": run_s3_clients,
+        "workers": lambda: run_workers(mib=1024, pairs=3, shard_mib=128),
+        "fleet_tail": lambda: run_fleet_tail(rows=400, rounds=3, members=4, slow=5.0),
     }
 
 
@@ -132,6 +136,16 @@ def summary(results: dict[str, Any]) -> list[str]:
                 row("GIL", "held by the extractor per GB deep into a run (on a CPU)",
                     f"{r['held_s_per_gb']:.2f}s ({r['held_on_cpu_s_per_gb']:.2f}s)")
                 row("", "  one interpreter's ceiling (1 / GIL-s per GB)", f"{r['ceiling_GBps']:.1f} GB/s", ">= 3 GB/s")
+        elif name == "workers":
+            row("workers", "1 -> 2 extractor workers: throughput (core-s/GB)",
+                f"x{r['throughput_2_over_1']:.2f} (x{r['core_s_per_gb_2_over_1']:.2f})")
+            proj = r["projection_16_cores_https"]
+            row("", f"  projected per 16-core pod over HTTPS, {proj['workers']} workers",
+                f"{proj['GBps']:.1f} GB/s", ">= 7 GB/s")
+        elif name == "fleet_tail":
+            row("fleet tail", "leased fleet, one member 5x slower: wall / ideal", f"{r['leased_over_ideal']:.2f}",
+                "<= 1.3")
+            row("", "  static k % n split / leased", f"{r['static_over_leased']:.2f}")
         elif name == "s3_clients":
             for client, v in r["runs"].items():
                 row("S3 client", f"{client}: core-s/GB (MB/s)", f"{v['core_s_per_gb']:.2f} ({v['MBps']})")

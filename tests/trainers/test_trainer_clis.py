@@ -51,7 +51,7 @@ def _run_cli(trainers_python: Path, argv: list[str], home: Path) -> str:
         argv = [argv[0], "train", *Path(argv[2]).read_text().split(), *argv[3:]]
     env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE / "cpu_shim")}
     done = subprocess.run([str(trainers_python.parent / argv[0]), *argv[1:]], capture_output=True, text=True,
-                          timeout=600, env=env)  # fmt: skip
+                          timeout=600, env=env, cwd=home)  # fmt: skip
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"{' '.join(argv[:3])} failed:\n{output[-6000:]}"
     return output
