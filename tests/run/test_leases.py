@@ -5,12 +5,14 @@ taken over. The fleet runs that use them are in tests/faults/test_fleet.py."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 
 from hsx_extractor.config import OutputSpec
-from hsx_extractor.run.leases import LeaseObserver, Leases, LeaseState, lease_states
+from hsx_extractor.run import leases as leases_module
+from hsx_extractor.run.leases import LeaseObserver, Leases, LeaseState, lease_states, work_left
 from hsx_extractor.storage.backends import PermanentStoreError
 from hsx_extractor.storage.store import Store, open_store
 
@@ -138,3 +140,28 @@ def test_the_probe_passes_on_a_real_store_and_refuses_one_that_lists_nothing(sto
     broken = Store(Unlisted(store.backend), store.layout, store.output)  # type: ignore[arg-type]
     with pytest.raises(PermanentStoreError, match="cannot hold shard leases"):
         leases(broken, 0, "aa", clock).probe()
+
+
+def test_its_own_commit_wakes_an_idle_process_without_waiting_for_a_poll(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last shard of a run committed by this process ends work_left at once (the run's tail used to
+    wait for the next poll, up to 5 s, before its manifest); here a poll would take an hour."""
+    monkeypatch.setattr(leases_module, "poll_seconds", lambda ttl: 3600.0)
+    a = leases(store, 0, "aa", Clock())
+    assert a.claim(0)
+    looked = threading.Event()
+    committed_shards = store.committed_shards
+
+    def look() -> set[int]:
+        looked.set()
+        return committed_shards()
+
+    monkeypatch.setattr(store, "committed_shards", look)
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (work_left(a, 1, lambda taken: None), done.set()), daemon=True)
+    thread.start()
+    assert looked.wait(30) and not done.wait(0.2)  # shard 0 is still being extracted: it waits
+    store.backend.put_if_absent(store.layout.commit_key(0), b"{}")
+    a.wake()  # what Progress.on_commit calls
+    assert done.wait(30), "work_left kept waiting for its poll after this process's commit"

@@ -298,8 +298,7 @@ class Extraction:
         return RunResult(cfg.runId, store.description, tok.fingerprint, done, commits, manifest)
 
     def open_leases(self, store: Store, loop: asyncio.AbstractEventLoop) -> Leases:
-        """This process's leases, renewed from now on; the renewal rounds also count the shards other
-        processes commit, so every replica's progress is the run's."""
+        """This process's leases, renewed from now on; renewals count others' commits (progress is the run's)."""
         leases = Leases(store, self.run_key.slot, self.run_key.process, self.cfg.leaseSeconds)
         leases.probe()
 
@@ -308,6 +307,7 @@ class Extraction:
                 loop.call_soon_threadsafe(self._resumed, c.shard_index, c, c.stop - c.start)
 
         leases.on_tick = count_others
+        self.progress.on_commit = leases.wake  # an idle process finishes as soon as its last shard is in
         self.progress.watch_leases(lambda: len(leases.held))
         leases.start()
         return leases

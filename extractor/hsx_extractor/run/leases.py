@@ -123,6 +123,7 @@ class Leases:
         self.worked: set[int] = set()
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+        self._wake = threading.Event()  # set when this process commits a shard, or stops
         self._renewer: threading.Thread | None = None
         self.on_tick: Callable[[], None] = lambda: None  # run after each renewal round (progress)
 
@@ -147,6 +148,7 @@ class Leases:
     def stop(self, release: bool = False) -> None:
         """Stop renewing; ``release``: mark every held lease free so others take it at once."""
         self._stopped.set()
+        self._wake.set()
         if release:
             for shard in list(self.held):
                 self._beat(shard, kind="free")
@@ -154,6 +156,15 @@ class Leases:
     @property
     def stopped(self) -> threading.Event:
         return self._stopped
+
+    def wake(self) -> None:
+        """This process committed a shard: an idle :func:`work_left` looks again now, not at its next poll."""
+        self._wake.set()
+
+    def wait(self, seconds: float) -> None:
+        """Until :meth:`wake` or :meth:`stop`, or ``seconds`` at most."""
+        self._wake.wait(seconds)
+        self._wake.clear()
 
     # -- taking work ----------------------------------------------------------------------------
     def claim(self, shard: int) -> bool:
@@ -268,4 +279,4 @@ def work_left(leases: Leases, shards: int, read: Callable[[list[int]], None]) ->
         if got:
             read(got)
             continue
-        leases.stopped.wait(poll_seconds(leases.ttl))
+        leases.wait(poll_seconds(leases.ttl))

@@ -66,6 +66,7 @@ class Progress:
     _read_fraction: Callable[[], float | None] | None = None
     # (checked, failed) of the consistency check, read when asked
     _consistency_probe: Callable[[], tuple[int, int]] | None = None
+    on_commit: Callable[[], None] = lambda: None  # after each shard this process commits (leases: wake)
     # (monotonic time, samples this process finished, tokens); the first is the newest mark at or
     # before the window's start (or the start of running).
     _marks: deque[tuple[float, int, int]] = field(default_factory=deque)
@@ -161,6 +162,7 @@ class Progress:
         self.metrics.bytes.inc(nbytes)
         if seconds is not None:
             self.metrics.seal_seconds.observe(seconds)
+        self.on_commit()
 
     def watch_in_flight(self, probe: Callable[[], int]) -> None:
         """Read requests in flight from ``probe`` (the client's counter) whenever asked."""
