@@ -122,6 +122,17 @@ def test_an_idle_process_races_the_shard_held_longest_once(store: Store) -> None
     assert a.race_candidate(range(2), committed=set()) == 1
 
 
+def test_workers_of_one_pod_do_not_race_each_other(store: Store) -> None:
+    """They send to the same server: a race would do the same work twice on the same GPUs."""
+    clock = Clock()
+    w0, w1, other = (Leases(store, s, p, 30.0, clock) for s, p in (("r0", "aa"), ("r0w1", "bb"), ("r1", "cc")))
+    assert w0.claim(0)
+    w1.scan()
+    assert w1.idle(committed=set()) and w1.race_candidate(range(1), committed=set()) is None
+    other.scan()
+    assert other.race_candidate(range(1), committed=set()) == 0
+
+
 def test_the_probe_passes_on_a_real_store_and_refuses_one_that_lists_nothing(store: Store) -> None:
     clock = Clock()
     leases(store, 0, "aa", clock).probe()

@@ -53,6 +53,11 @@ class LeaseState:
         return self.holder.split("-")[0] if self.holder else None
 
 
+def replica_of(slot: str) -> str:
+    """The replica (pod) part of a slot: ``r3`` of ``r3w1`` (protocol.RunKey.slot)."""
+    return slot.split("w", 1)[0]
+
+
 def lease_states(parsed: Iterable[tuple[int, int, tuple[int, str, str] | None]]) -> dict[int, LeaseState]:
     """Each shard's newest generation and that generation's newest beat, from parsed lease keys."""
     gens: dict[int, int] = {}
@@ -192,10 +197,12 @@ class Leases:
         return self._create(shard, 0 if state is None else state.generation + 1, kind)
 
     def race_candidate(self, shards: Iterable[int], committed: set[int]) -> int | None:
-        """A live, uncommitted shard of another process not raced yet: the one held longest."""
-        now = self.clock()
+        """A live, uncommitted shard of another replica not raced yet: the one held longest. A sibling
+        worker of this pod sends to the same server, so racing it would only do its work twice."""
+        now, pod = self.clock(), replica_of(self.observer.slot)
         live = [k for k in shards if k not in committed and k not in self.worked
-                and self.observer.status(k, now) == "live" and self.observer.states[k].kind != "race"]  # fmt: skip
+                and self.observer.status(k, now) == "live" and self.observer.states[k].kind != "race"
+                and replica_of(self.observer.states[k].slot or "") != pod]  # fmt: skip
         return min(live, key=self.observer.held_since, default=None)
 
     def idle(self, committed: set[int]) -> bool:
