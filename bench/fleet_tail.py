@@ -10,8 +10,8 @@ longer. The static baseline runs the same extractor with its leases pinned to ``
 or race (what the code did before leases), so the two differ in that alone.
 
 The ideal is the work divided by the fleet's combined speed (all request time at one member's concurrency,
-over the sum of the members' relative speeds) plus the start-up a member spends before its first request
-(measured: a member started on a finished run). Results: bench/results/fleet_tail.json.
+over the sum of the members' relative speeds) plus the start-up the members spend before their first request
+(measured: all members started at once on a finished run, sharing the cores as in a run). Results: bench/results/fleet_tail.json.
 """
 
 from __future__ import annotations
@@ -116,9 +116,13 @@ class Fleet:
         return time.perf_counter() - began
 
     def startup(self, run_id: str) -> float:
-        """A member started on a finished run: what it spends before any request (imports, tokenizer, plan)."""
+        """Every member started at once on a finished run: what the fleet spends before any request (imports,
+        tokenizer, plan), with the members sharing this machine's cores as they do in a run."""
         began = time.perf_counter()
-        subprocess.run([HSX, "extract", "--config", str(self.config(run_id, 0))], check=True, capture_output=True)
+        procs = [subprocess.Popen([HSX, "extract", "--config", str(self.config(run_id, m))], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL) for m in range(self.members)]  # fmt: skip
+        if [p.wait(timeout=600) for p in procs] != [0] * self.members:
+            raise SystemExit("a member started on a finished run failed")
         return time.perf_counter() - began
 
     def work_seconds(self) -> float:
