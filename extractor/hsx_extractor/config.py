@@ -346,7 +346,7 @@ class ExtractConfig(_Spec):
         "input (pre-norm, what speculators trains on). None: the engine's own (SGLang post-norm, vLLM pre-norm); "
         "SGLang dumps pre-norm when started with it (launch.server_env), vLLM only pre-norm.",
     )
-    replicaIndex: int = Field(0, ge=0, description="This pod's index among parallel replicas.")
+    replicaIndex: int = Field(0, ge=0, description="This pod's index among parallel replicas (past replicaCount in a scaled-up run).")
     replicaCount: int = Field(
         1, ge=1, description="Number of parallel replicas the run was started with (shards are leased, "
         "not assigned: any replica works on any shard; the manifest records this count)."

@@ -372,10 +372,11 @@ def test_rerun_is_a_no_op_and_other_settings_are_refused(tmp_path: Path, ref_ser
 
 
 def test_a_replica_alone_leases_every_shard(tmp_path: Path, ref_server: RefServer) -> None:
-    """Issue 34 item 1: shards are leased, not assigned: replica 1 of 2 with no one else there does every
-    shard and writes the manifest; the lease objects are gone once it is written."""
+    """Issue 34 item 1: shards are leased, not assigned: replica 3 of a run started with 2 (a pod that joined
+    when parallelism went to 4), with no one else there, does every shard and writes the manifest; the lease
+    objects are gone once it is written."""
     dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(30, words=40))
-    first = base_config(tmp_path, ref_server, dataset, replicaCount=2, replicaIndex=1)
+    first = base_config(tmp_path, ref_server, dataset, replicaCount=2, replicaIndex=3)
     code, result, progress = run(first)
     assert code == EXIT_OK and result is not None and result.manifest is not None
     plan = json.loads((tmp_path / "out" / "run" / "plan.json").read_text())

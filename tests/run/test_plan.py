@@ -14,7 +14,6 @@ from hsx_extractor.run.plan import (
     bytes_per_sample,
     cut_shards,
     planned_shards,
-    replica_shards,
 )
 
 
@@ -39,15 +38,6 @@ def test_cut_shards_tiles_every_row_in_order(weights: list[int], target: int) ->
     # Every shard but the last reached the target; none went past it by more than its last row.
     for a, b in shards[:-1]:
         assert sum(weights[a:b]) >= target > sum(weights[a : b - 1])
-
-
-def test_replicas_split_shards_round_robin() -> None:
-    assert replica_shards(7, 0, 3) == [0, 3, 6]
-    assert replica_shards(7, 2, 3) == [2, 5]
-    together = sorted(k for r in range(3) for k in replica_shards(7, r, 3))
-    assert together == list(range(7))
-    with pytest.raises(ValueError, match="replicaIndex"):
-        replica_shards(7, 3, 3)
 
 
 def test_plan_round_trips_in_the_layout_the_store_finalizes() -> None:

@@ -264,8 +264,6 @@ class Extraction:
             # SGLang's /get_model_info and vLLM name no producer; the reference server names itself.
             producer = str(info.get("producer") or ENGINE_PRODUCERS[cfg.engine])
             engine = engine_of(producer)
-            if not 0 <= cfg.replicaIndex < cfg.replicaCount:
-                raise permanent(f"replicaIndex {cfg.replicaIndex} is outside [0, replicaCount {cfg.replicaCount})")
             plan = await self.load_plan(store, tok, shape)
             committed = await asyncio.to_thread(store.committed_shards)
             consistency = self.consistency_for(shape)

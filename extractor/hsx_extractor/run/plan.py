@@ -78,18 +78,6 @@ def cut_shards(sample_bytes: Sequence[int], target_bytes: int) -> list[tuple[int
     return shards
 
 
-def replica_owns(shard: int, replica_index: int, replica_count: int) -> bool:
-    """Whether replica ``r`` of ``n`` owns shard ``k``: ``k % n == r``."""
-    return shard % replica_count == replica_index
-
-
-def replica_shards(num_shards: int, replica_index: int, replica_count: int) -> list[int]:
-    """Shards replica ``r`` of ``n`` owns (:func:`replica_owns`)."""
-    if not 0 <= replica_index < replica_count:
-        raise ValueError(f"replicaIndex {replica_index} is outside [0, {replica_count})")
-    return [k for k in range(num_shards) if replica_owns(k, replica_index, replica_count)]
-
-
 @dataclass(frozen=True)
 class ShardPlan:
     """What plan.json holds."""
