@@ -100,6 +100,12 @@ class Fleet:
         }))  # fmt: skip
         return path
 
+    def lease_events(self, run_id: str) -> dict[str, int]:
+        """What the members' logs say they did beyond their own claims: takeovers and races."""
+        logs = [(self.work / f"{run_id}-{m}.log").read_text() for m in range(self.members)]
+        return {"takeovers": sum(log.count("hsx: leases: took over") for log in logs),
+                "races": sum(log.count("hsx: leases: racing shard") for log in logs)}  # fmt: skip
+
     def run(self, run_id: str, static: bool) -> float:
         began = time.perf_counter()
         procs = []
@@ -158,10 +164,14 @@ def run_fleet_tail(rows: int, rounds: int, members: int, slow: float) -> dict[st
         fleet.start_servers()
         try:
             times: dict[str, list[float]] = {"static": [], "leased": []}
+            events: list[dict[str, int]] = []
             for r in range(rounds):
                 for mode in ("static", "leased"):
                     times[mode].append(fleet.run(f"{mode}-{r}", mode == "static"))
-                    print(f"round {r} {mode}: {times[mode][-1]:.1f}s", flush=True)
+                    if mode == "leased":
+                        events.append(fleet.lease_events(f"{mode}-{r}"))
+                    print(f"round {r} {mode}: {times[mode][-1]:.1f}s", *events[-1:] if mode == "leased" else [],
+                          flush=True)  # fmt: skip
             startup = statistics.median(fleet.startup("leased-0") for _ in range(3))
             work_s = fleet.work_seconds()
         finally:
@@ -181,6 +191,7 @@ def run_fleet_tail(rows: int, rounds: int, members: int, slow: float) -> dict[st
         "static_over_ideal": round(median["static"] / ideal, 3),
         "static_over_leased": round(median["static"] / median["leased"], 3),
         "rounds": {k: [round(t, 2) for t in v] for k, v in times.items()},
+        "leased_rounds_lease_events": events,
         "cpus": os.cpu_count(),
     }
     write_result("fleet_tail", result)
