@@ -18,12 +18,16 @@ def main(specforge: str, speculators: str, modelopt: str) -> None:
     recipe = yaml.safe_load(files("modelopt_recipes").joinpath("general/speculative_decoding/eagle3.yaml").read_text())
     unknown = []
     mo = {}
+    from modelopt.torch.speculative.eagle.default_config import default_eagle_config
+
     for line in (Path(modelopt) / "modelopt.overrides").read_text().splitlines():
         key, value = line.split("=", 1)
-        section, name = key.split(".")
-        if name not in (recipe.get(section) or {}):
+        section, name, *inner = key.split(".")
+        # eagle_architecture_config is {} in the recipe: "overwrite to" Model-Optimizer's default_config.py
+        known = default_eagle_config if name == "eagle_architecture_config" else (recipe.get(section) or {})
+        if (inner[0] if inner else name) not in known or (inner and name not in (recipe.get(section) or {})):
             unknown.append(key)
-        mo[key] = value
+        mo[key] = yaml.safe_load(value) if value.startswith("[") else value
     print(json.dumps({
         "specforge": {"hidden_states_path": sf.data.hidden_states_path, "vocab_mapping_path": sf.model.vocab_mapping_path,
                       "layers": sf.model.aux_hidden_state_layer_ids, "max_length": sf.data.max_length,

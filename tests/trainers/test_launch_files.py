@@ -58,6 +58,11 @@ def test_each_trainers_own_loader_accepts_the_launch_file(
                   "on_missing": "raise", "verifier": str(model)}  # fmt: skip
     assert mo["unknown"] == [] and mo["overrides"]["data.offline_data_path"] == str(dests["modelopt"].resolve())
     assert mo["overrides"]["data.draft_vocab_cache"] == str((vocab / "d2t.pt").resolve())
+    # Model-Optimizer numbers layer outputs: the input of layer j is the output of layer j - 1.
+    outputs = mo["overrides"]["eagle.eagle_architecture_config.eagle_aux_hidden_state_layer_ids"]
+    assert outputs == [j - 1 for j in layers]
+    record = json.loads((dests["modelopt"] / EXPORT_RECORD).read_text())
+    assert record["trainerLayerIds"] == {"specforge": layers, "speculators": layers, "modelopt": outputs}
 
 
 def test_a_vocab_folder_that_is_not_hsx_vocabs_is_refused_before_any_data(

@@ -338,6 +338,7 @@ def export(
         "hiddenSize": hidden,
         "auxLayers": aux_width // hidden,
         "layerIds": list(reader.capture.layer_ids),
+        "trainerLayerIds": trainer_launch.trainer_layer_ids(list(reader.capture.layer_ids)),
         "layerConvention": reader.capture.layer_convention,
         "sourceFinalState": have,
         "finalState": WRITERS[trainer].wants,  # type: ignore[attr-defined]

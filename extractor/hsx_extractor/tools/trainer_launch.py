@@ -85,6 +85,12 @@ def _target_config(target_model: str) -> dict[str, Any] | None:
     return config if isinstance(config, dict) and "vocab_size" in (config.get("text_config") or config) else None
 
 
+def trainer_layer_ids(layer_ids: list[int]) -> dict[str, list[int]]:
+    """The capture layers in each trainer's numbering: hsx, vLLM and speculators number layer inputs (id j is
+    Hugging Face ``hidden_states[j]``); Model-Optimizer numbers layer outputs (the output of layer j-1)."""
+    return {"specforge": list(layer_ids), "speculators": list(layer_ids), "modelopt": [j - 1 for j in layer_ids]}
+
+
 def launch(
     trainer: str, record: dict[str, Any], dest: Path, target_model: str, max_length: int | None, vocab: Path | None
 ) -> Launch:
@@ -122,8 +128,10 @@ def launch(
         path = dest.resolve() / SPECULATORS_ARGS
         return Launch({SPECULATORS_ARGS: "\n".join(args) + "\n"}, f"speculators train $(cat {shlex.quote(str(path))})")
     if trainer == "modelopt":
+        outputs = ",".join(map(str, trainer_layer_ids(layers)["modelopt"]))
         overrides = [f"model.model_name_or_path={target_model}", f"data.offline_data_path={data}",
-                     "training.answer_only_loss=true"]  # fmt: skip
+                     "training.answer_only_loss=true",
+                     f"eagle.eagle_architecture_config.eagle_aux_hidden_state_layer_ids=[{outputs}]"]  # fmt: skip
         if vocab is not None:
             overrides.append(f"data.draft_vocab_cache={(vocab / VOCAB_D2T_PT).resolve()}")
         if max_length:
