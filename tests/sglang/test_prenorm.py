@@ -149,3 +149,20 @@ def test_hook_labels_pre_norm_dumps_and_says_why_rows_are_missing() -> None:
     error = sink.jobs[-1]
     assert isinstance(error, ErrorJob) and error.reason == "no_pre_norm_state"
     assert "capture post-norm instead" in error.message
+
+
+def test_a_bad_final_state_setting_refuses_sglang_instead_of_serving_unhooked(
+    sglang_src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    monkeypatch.setattr(bootstrap, "_installed", False)
+    monkeypatch.setattr(bootstrap, "installed_sglang_version", lambda: "0.5.23")
+    before = list(sys.meta_path)
+    try:
+        assert bootstrap.install({"SGLANG_HS_DUMP_DIR": str(tmp_path), FINAL_STATE_ENV: "both"})
+        [finder] = [f for f in sys.meta_path if f not in before]
+        with pytest.raises(bootstrap.HookSettingError, match=FINAL_STATE_ENV):
+            finder.find_spec("sglang", None)
+    finally:
+        sys.meta_path[:] = before

@@ -193,3 +193,12 @@ def test_the_norm_digest_is_the_weights_own_bytes(prenorm_run: dict[str, Any], t
     assert final_norm_digest(model) == want
     assert final_norm_digest(other_norm_model(model, tmp_path)) != want
     assert final_norm_digest(tmp_path) is None and final_norm_digest(None) is None
+
+
+def test_each_trainers_layer_numbering() -> None:
+    """hsx, vLLM and speculators number layer inputs; Model-Optimizer numbers outputs, where the embeddings
+    (capture layer 0, possible for DeepSeek-style ids) have no number: none is made up (-1 is its last layer)."""
+    from hsx_extractor.tools.trainer_launch import trainer_layer_ids
+
+    assert trainer_layer_ids([2, 16, 29]) == {"specforge": [2, 16, 29], "speculators": [2, 16, 29], "modelopt": [1, 15, 28]}
+    assert trainer_layer_ids([0, 16, 29])["modelopt"] is None

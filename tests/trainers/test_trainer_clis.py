@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from hsx_extractor.tools.cli import main as hsx
 from hsx_extractor.tools.export import EXPORT_RECORD
@@ -100,4 +102,6 @@ def test_speculators_train_cli_trains_a_drafter_from_the_export(
     assert (last / "model.safetensors").stat().st_size > 0 and (last / "config.json").is_file()
     metrics = json.loads((last / "val_metrics.json").read_text())
     assert math.isfinite(metrics["loss_epoch"]) and metrics["loss_epoch"] > 0, metrics
+    first, second = (load_file(str(saved / epoch / "model.safetensors")) for epoch in ("0", "1"))
+    assert any(not torch.equal(first[k], second[k]) for k in first), "the second epoch changed no weight"
     assert json.loads((last / "config.json").read_text())["draft_vocab_size"] == 16

@@ -42,6 +42,10 @@ class HookVersionError(ImportError):
     """The installed SGLang is not the release the hook was written for."""
 
 
+class HookSettingError(ImportError):
+    """The hook's environment asks for something it cannot do (an unknown SGLANG_HS_FINAL_STATE)."""
+
+
 def version_error(installed: str) -> HookVersionError:
     return HookVersionError(
         f"hsx SGLang hook: {DUMP_DIR_ENV} is set, but the hook is written for sglang {SGLANG_VERSION} "
@@ -81,7 +85,7 @@ class HookFinder(importlib.abc.MetaPathFinder):
 
     def __init__(
         self,
-        version_problem: HookVersionError | None,
+        version_problem: ImportError | None,
         patches: dict[str, Callable[[ModuleType], None]] | None = None,
     ) -> None:
         self.version_problem = version_problem
@@ -160,10 +164,13 @@ def install(environ: dict[str, str] | None = None) -> bool:
     installed = installed_sglang_version()
     if installed is None:
         return False  # not an SGLang environment (the extractor image, a test runner)
-    problem = None if installed == SGLANG_VERSION else version_error(installed)
+    problem: ImportError | None = None if installed == SGLANG_VERSION else version_error(installed)
+    try:
+        patches = module_patches(env)
+    except RuntimeError as exc:  # a bad setting: refuse to serve, as for a wrong version (never serve unhooked)
+        problem, patches = HookSettingError(str(exc)), {}
     if problem is not None:
         print(f"ERROR: {problem}", file=sys.stderr)
-    patches = module_patches(env)
     sys.meta_path.insert(0, HookFinder(problem, patches))
     _installed = True
     if problem is None:

@@ -6,8 +6,8 @@ SGLang's models (64 of them, Llama and Qwen among them) end their layer stack in
 ``residual.batch.final_norm(hidden, forward_batch, norm, capture)``, which hands ``capture`` the updated
 residual on each of its paths (plain, fused MoE handoff, empty batch): exactly the norm's input. Two
 patches, both run in the forward's own thread, one after the other:
-the first keeps that tensor for the forward, the second puts it in ``last_hidden_states`` when the logits
-processor returns. Every later step (padding trim, overlap-schedule copies, the hook's row offsets) then
+the first keeps a copy of that tensor for the forward, the second puts it in ``last_hidden_states`` when the
+logits processor returns. Every later step (padding trim, overlap-schedule copies, the hook's row offsets) then
 treats it as it treats the post-norm rows.
 
 Switched on by ``SGLANG_HS_FINAL_STATE=pre-norm`` (launch.server_env). A forward whose norm input was not
@@ -42,7 +42,7 @@ def wrap_final_norm(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def final_norm(hidden_states: Any, forward_batch: Any, layernorm: Any, capture: Any = None, **kwargs: Any) -> Any:
         def keep(updated: Any) -> None:
-            _forward.kept = updated  # borrowed: copied when the logits processor returns
+            _forward.kept = updated.clone()  # SGLang lends the storage: keep a copy, before anything reuses it
             if capture is not None:
                 capture(updated)
 
@@ -53,7 +53,7 @@ def wrap_final_norm(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def pre_norm_rows(kept: Any, post_norm: Any) -> tuple[Any, str | None]:
-    """The rows to store in place of ``post_norm``: a copy of ``kept`` in its dtype, or (None, why not)."""
+    """The rows to store in place of ``post_norm``: ``kept`` (this forward's own copy) in its dtype, or (None, why not)."""
     if kept is None:
         return None, (
             "the model's final norm did not run through SGLang's residual final_norm, so its input "
@@ -64,7 +64,7 @@ def pre_norm_rows(kept: Any, post_norm: Any) -> tuple[Any, str | None]:
             f"the final norm's input has shape {tuple(kept.shape)} and its output {tuple(post_norm.shape)} "
             "(a sequence-parallel norm shards its rows): pre-norm capture needs whole rows"
         )
-    return kept.to(dtype=post_norm.dtype, copy=True), None
+    return kept.to(dtype=post_norm.dtype), None
 
 
 def wrap_logits_forward(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -85,10 +85,12 @@ def _target_config(target_model: str) -> dict[str, Any] | None:
     return config if isinstance(config, dict) and "vocab_size" in (config.get("text_config") or config) else None
 
 
-def trainer_layer_ids(layer_ids: list[int]) -> dict[str, list[int]]:
+def trainer_layer_ids(layer_ids: list[int]) -> dict[str, list[int] | None]:
     """The capture layers in each trainer's numbering: hsx, vLLM and speculators number layer inputs (id j is
-    Hugging Face ``hidden_states[j]``); Model-Optimizer numbers layer outputs (the output of layer j-1)."""
-    return {"specforge": list(layer_ids), "speculators": list(layer_ids), "modelopt": [j - 1 for j in layer_ids]}
+    Hugging Face ``hidden_states[j]``); Model-Optimizer numbers layer outputs (the output of layer j-1), so the
+    embeddings (capture layer 0) have no number there (None)."""
+    outputs = [j - 1 for j in layer_ids] if min(layer_ids, default=1) >= 1 else None
+    return {"specforge": list(layer_ids), "speculators": list(layer_ids), "modelopt": outputs}
 
 
 def launch(
@@ -128,15 +130,19 @@ def launch(
         path = dest.resolve() / SPECULATORS_ARGS
         return Launch({SPECULATORS_ARGS: "\n".join(args) + "\n"}, f"speculators train $(cat {shlex.quote(str(path))})")
     if trainer == "modelopt":
-        outputs = ",".join(map(str, trainer_layer_ids(layers)["modelopt"]))
+        outputs = trainer_layer_ids(layers)["modelopt"]
         overrides = [f"model.model_name_or_path={target_model}", f"data.offline_data_path={data}",
-                     "training.answer_only_loss=true",
-                     f"eagle.eagle_architecture_config.eagle_aux_hidden_state_layer_ids=[{outputs}]"]  # fmt: skip
+                     "training.answer_only_loss=true"]  # fmt: skip
+        if outputs is not None:
+            overrides.append(f"eagle.eagle_architecture_config.eagle_aux_hidden_state_layer_ids=[{','.join(map(str, outputs))}]")
         if vocab is not None:
             overrides.append(f"data.draft_vocab_cache={(vocab / VOCAB_D2T_PT).resolve()}")
         if max_length:
             overrides.append(f"training.training_seq_len={max_length}")
         notes = (f"the EAGLE config's draft_vocab_size must be {size}",) if size else ()
+        if outputs is None:
+            notes += ("capture layer 0 (the embeddings) has no layer-output id in Model-Optimizer: its "
+                      "eagle_aux_hidden_state_layer_ids are left to you",)  # fmt: skip
         path = dest.resolve() / MODELOPT_OVERRIDES
         return Launch(
             {MODELOPT_OVERRIDES: "\n".join(overrides) + "\n"},
