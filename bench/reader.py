@@ -41,7 +41,9 @@ CAPTURE = {
 }
 
 
-def write_run(root: Path, compression: str, samples: int, seq_len: int, hidden: int) -> tuple[str, int]:
+def write_run(
+    root: Path, compression: str, samples: int, seq_len: int, hidden: int, final_state: str = "post-norm"
+) -> tuple[str, int]:
     """A finished run of ``samples`` samples in shards of 4; returns (run uri, raw bytes of states)."""
     store = open_store(OutputSpec.model_validate({"uri": str(root), "compression": compression}), "bench")
     rng = np.random.default_rng(7)
@@ -62,7 +64,7 @@ def write_run(root: Path, compression: str, samples: int, seq_len: int, hidden: 
                 )
             )
         builder.seal()
-    store.finalize(planned, {"run": {}, "capture": CAPTURE})
+    store.finalize(planned, {"run": {}, "capture": CAPTURE | {"finalState": final_state}})
     store.close()
     return f"{root}/bench", samples * seq_len * (NUM_AUX + 1) * hidden * 2
 

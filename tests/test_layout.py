@@ -125,7 +125,8 @@ FORBIDDEN = {
     "run": {"tools", "reader", "operator"},
     "sglang_hook": {"run", "storage", "tools", "reader", "vllm_hook", "operator"},
     "vllm_hook": {"run", "storage", "tools", "reader", "sglang_hook", "operator"},
-    "tools": {"operator"},
+    "tools": {"operator", "in_place"},
+    "in_place": {"run", "sglang_hook", "vllm_hook", "operator"},
 }
 
 

@@ -44,10 +44,20 @@ def trainers_python() -> Path:
     return venv_python()
 
 
+EXTRACTOR = HERE.parents[1] / "extractor"  # hsx itself, for the in-place loaders in the trainers venv
+
+
 def run_trainer(
-    python: Path, mode: str, export: Path, out: Path, max_len: int = 2048, verifier: Path | None = None
+    python: Path,
+    mode: str,
+    export: Path,
+    out: Path,
+    max_len: int = 2048,
+    verifier: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The trainer's own code over ``export`` (trainer_side.py, in the trainers venv)."""
+    """The trainer's own code over ``export`` (trainer_side.py, in the trainers venv); ``*-in-place`` modes
+    read the run through hsx's in-place loaders (hsx on PYTHONPATH, S3 settings from ``env``)."""
     from safetensors.torch import load_file
 
     extra = [str(verifier)] if verifier else []
@@ -56,7 +66,8 @@ def run_trainer(
         capture_output=True,
         text=True,
         timeout=600,
-        env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(out.parent)},
+        env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(out.parent), "PYTHONPATH": str(EXTRACTOR)}
+        | (env or {}),
     )
     assert done.returncode == 0, f"{mode} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return dict(load_file(str(out)))

@@ -47,11 +47,13 @@ def _export(run: dict[str, Any], trainer: str, dest: Path, *extra: str) -> list[
     return shlex.split(record["launch"]["command"].replace("$(cat ", "").replace(")", ""))
 
 
-def _run_cli(trainers_python: Path, argv: list[str], home: Path) -> str:
+def _run_cli(trainers_python: Path, argv: list[str], home: Path, pythonpath: list[str] | None = None) -> str:
     """``argv`` with its program from the trainers venv, the CPU shim on PYTHONPATH; stdout and stderr."""
-    if argv[1:2] == ["train"] and argv[0] == "speculators":  # `$(cat FILE)`: the file's lines are the arguments
-        argv = [argv[0], "train", *Path(argv[2]).read_text().split(), *argv[3:]]
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE / "cpu_shim")}
+    at = argv.index("speculators") if "speculators" in argv else -1
+    if at >= 0 and argv[at + 1 : at + 2] == ["train"]:  # `$(cat FILE)`: the file's lines are the arguments
+        argv = [*argv[: at + 2], *Path(argv[at + 2]).read_text().split(), *argv[at + 3 :]]
+    path = ":".join([str(HERE / "cpu_shim"), *(pythonpath or [])])
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
     done = subprocess.run([str(trainers_python.parent / argv[0]), *argv[1:]], capture_output=True, text=True,
                           timeout=600, env=env, cwd=home)  # fmt: skip
     output = done.stdout + done.stderr

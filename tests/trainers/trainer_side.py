@@ -1,6 +1,7 @@
-"""Runs in the trainers venv (no hsx there): load an export with the trainer's OWN data code, write what it got.
+"""Runs in the trainers venv: load an export with the trainer's OWN data code, write what it got (hsx itself
+only in the ``-in-place`` modes, where the trainer's loader reads the run through hsx_extractor.in_place).
 
-``python trainer_side.py specforge|speculators|modelopt EXPORT_DIR OUT.safetensors [MAX_LEN]``
+``python trainer_side.py specforge|speculators|modelopt[-in-place] EXPORT_DIR OUT.safetensors [MAX_LEN]``
 ``python trainer_side.py specforge-step|speculators-step EXPORT_DIR OUT.safetensors MAX_LEN MODEL_DIR`` (a training step)
 
 Each mode goes through the trainer's offline loading path as its training entry point wires it
@@ -15,12 +16,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
 
-def specforge(export: Path, max_len: int) -> dict[str, torch.Tensor]:
+def dataset_index(view: Any, position: int) -> torch.Tensor:
+    return torch.tensor([view.data.dataset_index(position)])
+
+
+def specforge(export: Path, max_len: int, in_place: bool = False) -> dict[str, torch.Tensor]:
     from specforge.algorithms.eagle3.data import (
         build_offline_collator,
         build_offline_normalizer,
@@ -28,7 +34,13 @@ def specforge(export: Path, max_len: int) -> dict[str, torch.Tensor]:
     )
     from specforge.runtime.data_plane.feature_store import LocalFeatureStore
 
-    refs = build_offline_reader(str(export), run_id="hsx", ttt_length=7, max_len=max_len).read()
+    path = str(export)
+    if in_place:  # the seam python -m hsx_extractor.in_place specforge installs, and the path hsx export writes
+        from hsx_extractor.in_place import specforge as hsx_specforge
+
+        hsx_specforge.install()
+        path = json.loads((export / "specforge.json").read_text())["data"]["hidden_states_path"]
+    refs = build_offline_reader(path, run_id="hsx", ttt_length=7, max_len=max_len).read()
     store = LocalFeatureStore()
     normalize = build_offline_normalizer(max_len)
     out: dict[str, torch.Tensor] = {}
@@ -38,8 +50,11 @@ def specforge(export: Path, max_len: int) -> dict[str, torch.Tensor]:
         item = normalize(raw)
         store.release(handle)
         items.append(item)
-        name = Path(ref.feature_store_uri).name  # data_{index}.ckpt
-        out[f"{n}.index"] = torch.tensor([int(name.split("_")[1].split(".")[0])])
+        if in_place:  # hsx:DEST#position
+            out[f"{n}.index"] = dataset_index(hsx_specforge._view(str(export)), int(ref.feature_store_uri.split("#")[1]))
+        else:
+            name = Path(ref.feature_store_uri).name  # data_{index}.ckpt
+            out[f"{n}.index"] = torch.tensor([int(name.split("_")[1].split(".")[0])])
         for key in ("input_ids", "loss_mask", "hidden_state", "target"):
             out[f"{n}.{key}"] = item[key].contiguous()
     batch = build_offline_collator()(items[:2])  # SpecForge's own padding collator
@@ -48,11 +63,18 @@ def specforge(export: Path, max_len: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def speculators(export: Path, max_len: int) -> dict[str, torch.Tensor]:
+def speculators(export: Path, max_len: int, in_place: bool = False) -> dict[str, torch.Tensor]:
+    from hs_connectors import HiddenStatesBackend
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset, CollateFn
 
-    ds = ArrowDataset(max_len=max_len, datapath=str(export), on_missing="raise")
+    transfer = None
+    if in_place:  # as speculators' train CLI builds it: the backend named by --hidden-states-backend
+        from hsx_extractor.in_place.speculators import register
+
+        register()
+        transfer = HiddenStatesBackend.registry["hsx"].from_train_args(None, str(export))
+    ds = ArrowDataset(max_len=max_len, datapath=str(export), on_missing="raise", transfer=transfer)
     out: dict[str, torch.Tensor] = {}
     items = []
     for n in range(len(ds)):
@@ -191,17 +213,22 @@ def speculators_step(export: Path, max_len: int, verifier: str) -> dict[str, tor
     }
 
 
-def modelopt(export: Path, max_len: int) -> dict[str, torch.Tensor]:
+def modelopt(export: Path, max_len: int, in_place: bool = False) -> dict[str, torch.Tensor]:
     from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
 
-    files = sorted(str(p) for p in export.rglob("*.pt"))  # as Model-Optimizer's example lists them
-    ds = OfflineSupervisedDataset(files, answer_only_loss=True)
+    if in_place:  # the one line of Model-Optimizer's launcher that docs/training.md changes
+        from hsx_extractor.in_place.modelopt import OfflineDataset
+
+        ds = OfflineDataset(export, answer_only_loss=True)
+    else:
+        files = sorted(str(p) for p in export.rglob("*.pt"))  # as Model-Optimizer's example lists them
+        ds = OfflineSupervisedDataset(files, answer_only_loss=True)
     out: dict[str, torch.Tensor] = {}
     items = []
     for n in range(len(ds)):
         item = ds[n]
         items.append(item)
-        out[f"{n}.index"] = torch.tensor([int(Path(files[n]).stem)])
+        out[f"{n}.index"] = dataset_index(ds.view, n) if in_place else torch.tensor([int(Path(files[n]).stem)])
         out[f"{n}.prenorm"] = torch.tensor([int(item["base_hidden_prenorm"])])
         for key in ("input_ids", "loss_mask", "labels", "base_model_hidden_states", "aux_hidden_states"):
             out[f"{n}.{key}"] = item[key].contiguous()
@@ -219,8 +246,9 @@ def main(argv: list[str]) -> int:
             export, max_len, argv[4]
         )
     else:
-        loaded = {"specforge": specforge, "speculators": speculators, "modelopt": modelopt}[mode](
-            export, max_len
+        in_place = mode.endswith("-in-place")
+        loaded = {"specforge": specforge, "speculators": speculators, "modelopt": modelopt}[mode.removesuffix("-in-place")](
+            export, max_len, in_place
         )
     save_file(loaded, dest)
     print(f"{mode}: {sorted(loaded)[:6]}", flush=True)

@@ -53,6 +53,11 @@ REQUIREMENTS = (
     "ninja",
     "nvidia-ml-py>=12",
     "requests",
+    # hsx's in-place loaders in the trainer's environment (hsx[train]; hsx itself comes on PYTHONPATH).
+    "boto3>=1.34",
+    "zstandard>=0.22",
+    "xxhash>=3.4",
+    "isal>=1.6",
 )
 STAMP = ".complete"
 

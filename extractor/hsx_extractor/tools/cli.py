@@ -255,14 +255,16 @@ def cmd_export(args: argparse.Namespace) -> int:
             any_model=args.any_model,
             target_model=args.target_model,
             vocab=args.vocab,
+            in_place=args.in_place,
             log=log,
         )
     except (ExportError, StoreError, ValueError, OSError) as exc:
         print(f"hsx export: refused: {user_message(exc)}", file=sys.stderr, flush=True)
         return EXIT_PERMANENT
     applied = record["finalNormApplied"]
+    where = f"(read in place from {args.output}: launch files only) " if record["inPlace"] else ""
     print(
-        f"hsx export: {record['samples']} samples of {record['runId']} for {record['trainer']} in {args.dest} "
+        f"hsx export: {record['samples']} samples of {record['runId']} for {record['trainer']} {where}in {args.dest} "
         f"(final state {record['finalState']}" + (f", final norm applied from {applied})" if applied else ")"),
         flush=True,
     )
@@ -411,6 +413,12 @@ def parser() -> argparse.ArgumentParser:
         help="the target model's path as the trainer sees it, for the launch file (default: --model, else the run's)",
     )
     p.add_argument("--vocab", default=None, help="an `hsx vocab` folder: the draft vocabulary the launch file names")
+    p.add_argument(
+        "--in-place",
+        action="store_true",
+        help="copy no hidden state: DEST gets the launch files, and the trainer reads the run through hsx's loader "
+        "(python -m hsx_extractor.in_place; docs/training.md)",
+    )
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("fingerprint", help="print a tokenizer's fingerprint")

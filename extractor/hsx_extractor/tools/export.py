@@ -68,6 +68,19 @@ def _save_torch(obj: dict[str, Any], path: Path) -> None:
     os.replace(tmp, path)  # a trainer listing the folder never sees half a file
 
 
+def speculators_states(s: Sample, num_aux: int, hidden_size: int) -> dict[str, torch.Tensor]:
+    """A sample as speculators' hidden-states file holds it: ``token_ids`` [T] and ``hidden_states``
+    [T, K+1, H], the K aux layers then the final state."""
+    import torch
+
+    seq_len = int(s.input_ids.shape[0])
+    layers = s.aux.reshape(seq_len, num_aux, hidden_size)
+    return {
+        "token_ids": s.input_ids.contiguous(),
+        "hidden_states": torch.cat([layers, s.final.unsqueeze(1)], dim=1).contiguous(),
+    }
+
+
 class SpecForgeWriter:
     wants = POST_NORM
 
@@ -125,11 +138,12 @@ class SpeculatorsWriter:
     ARROW = "data-00000-of-00001.arrow"
     BATCH = 256
 
-    def __init__(self, dest: Path, hidden_size: int, num_aux: int):
+    def __init__(self, dest: Path, hidden_size: int, num_aux: int, states: bool = True):
         import pyarrow as pa
 
-        self.dest, self.hidden_size, self.num_aux = dest, hidden_size, num_aux
-        (dest / "hidden_states").mkdir(parents=True, exist_ok=True)
+        self.dest, self.hidden_size, self.num_aux, self.states = dest, hidden_size, num_aux, states
+        if states:  # in place: the rows only, the states stay in the run
+            (dest / "hidden_states").mkdir(parents=True, exist_ok=True)
         ints = pa.list_(pa.int64())
         self.schema = pa.schema(
             [("input_ids", ints), ("loss_mask", ints), ("seq_len", pa.int64()), ("hsx_index", pa.int64())],
@@ -146,16 +160,14 @@ class SpeculatorsWriter:
         return {"input_ids": ints, "loss_mask": ints, "seq_len": value, "hsx_index": value}
 
     def add(self, s: Sample) -> None:
-        import torch
         from safetensors.torch import save_file
 
         seq_len = int(s.input_ids.shape[0])
-        layers = s.aux.reshape(seq_len, self.num_aux, self.hidden_size)
-        stacked = torch.cat([layers, s.final.unsqueeze(1)], dim=1).contiguous()
-        path = self.dest / "hidden_states" / f"hs_{s.position}.safetensors"
-        tmp = path.with_name(path.name + ".tmp")
-        save_file({"token_ids": s.input_ids.contiguous(), "hidden_states": stacked}, str(tmp))
-        os.replace(tmp, path)
+        if self.states:
+            path = self.dest / "hidden_states" / f"hs_{s.position}.safetensors"
+            tmp = path.with_name(path.name + ".tmp")
+            save_file(speculators_states(s, self.num_aux, self.hidden_size), str(tmp))
+            os.replace(tmp, path)
         for name, value in (
             ("input_ids", s.input_ids.tolist()),
             ("loss_mask", s.loss_mask.tolist()),
@@ -189,7 +201,8 @@ class SpeculatorsWriter:
             "_split": None,
         }
         (self.dest / "state.json").write_text(json.dumps(state, indent=2))
-        return {"hiddenStates": "hidden_states/hs_{position}.safetensors", "rows": self.ARROW}
+        states = "hidden_states/hs_{position}.safetensors" if self.states else None
+        return {"hiddenStates": states, "rows": self.ARROW}
 
 
 WRITERS: dict[str, Callable[[Path, int, int], Any]] = {
@@ -267,6 +280,70 @@ def check_norm_model(
     )
 
 
+class TrainerView:
+    """A committed run's samples as ``trainer`` reads them: every sample checksummed, the final state in
+    the trainer's convention (:func:`plan_conversion`; a norm only from the run's own model,
+    :func:`check_norm_model`). What ``hsx export`` writes and what the in-place loaders
+    (:mod:`hsx_extractor.in_place`) hand the trainer are both this view's samples. Picklable (DataLoader
+    workers), and in a worker the states decode into shared memory (:class:`HiddenStatesDataset`)."""
+
+    def __init__(
+        self,
+        uri: str,
+        trainer: str,
+        *,
+        model_dir: str | None = None,
+        any_model: bool = False,
+        capture: Capture | None = None,
+        output: OutputSpec | None = None,
+        verify_checksums: bool = True,
+    ):
+        from hsx_extractor.reader import HiddenStatesDataset  # torch: not for `hsx --help`
+
+        if trainer not in WRITERS:
+            raise ExportError(f"unknown trainer {trainer!r}: one of {TRAINERS}")
+        self.trainer = trainer
+        try:
+            self.data = HiddenStatesDataset(uri, output, verify_checksums, capture=capture)
+            self.source_state = self.data.reader.capture.final_state
+        except ManifestError as exc:
+            raise ExportError(str(exc)) from None
+        if len(self.data) == 0:
+            raise ExportError(f"{uri} holds no samples")
+        first = self.data[0]
+        self.hidden_size = int(first["hidden_state"].shape[-1])
+        aux_width = int(first["aux_hidden_state"].shape[-1])
+        if aux_width % self.hidden_size:
+            raise ExportError(f"aux width {aux_width} is not a multiple of the hidden size {self.hidden_size}")
+        self.num_aux = aux_width // self.hidden_size
+        self.norm = plan_conversion(trainer, self.source_state, model_dir, self.hidden_size)
+        self.model_check = None
+        if self.norm is not None and model_dir is not None:
+            from hsx_extractor.run.plan import PLAN_NAME
+
+            reader = self.data.reader
+            self.model_check = check_norm_model(reader.manifest, reader.named_json(PLAN_NAME), model_dir, any_model)
+
+    @property
+    def reader(self) -> Any:
+        return self.data.reader
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def sample(self, position: int) -> Sample:
+        t = self.data[position]
+        final = t["hidden_state"].squeeze(0)
+        return Sample(
+            position,
+            self.data.dataset_index(position),
+            t["input_ids"],
+            t["loss_mask"],
+            t["aux_hidden_state"].squeeze(0),
+            self.norm(final) if self.norm is not None else final,
+        )
+
+
 def export(
     uri: str,
     trainer: str,
@@ -276,74 +353,57 @@ def export(
     any_model: bool = False,
     target_model: str | None = None,
     vocab: str | None = None,
+    in_place: bool = False,
     capture: Capture | None = None,
     output: OutputSpec | None = None,
     verify_checksums: bool = True,
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
-    """Export the committed run at ``uri`` for ``trainer`` into ``dest``; returns the export record."""
-    from hsx_extractor.reader import OutputReader, to_specforge  # torch: not for `hsx --help`
+    """Export the committed run at ``uri`` for ``trainer`` into ``dest``; returns the export record.
 
+    ``in_place``: no hidden state is copied. ``dest`` gets the launch files and the record the in-place
+    loaders open (:mod:`hsx_extractor.in_place`), and for speculators its row table (token ids and loss
+    masks: the ``datasets`` folder its trainer indexes)."""
     root = check_local_directory(str(dest), "export destination")
-    if trainer not in WRITERS:
-        raise ExportError(f"unknown trainer {trainer!r}: one of {TRAINERS}")
-    try:
-        reader = OutputReader(uri, output, capture=capture)
-        have = reader.capture.final_state
-    except ManifestError as exc:
-        raise ExportError(str(exc)) from None
-    if len(reader) == 0:
-        raise ExportError(f"{uri} holds no samples")
-    first = reader.read(0, verify_checksums)
-    hidden = int(first.hidden_states.shape[1])
-    aux_width = int(first.aux_hidden_states.shape[1])
-    if aux_width % hidden:
-        raise ExportError(f"aux width {aux_width} is not a multiple of the hidden size {hidden}")
-    norm = plan_conversion(trainer, have, model_dir, hidden)
-    model_check = None
-    if norm is not None and model_dir is not None:
-        from hsx_extractor.run.plan import PLAN_NAME
-
-        model_check = check_norm_model(reader.manifest, reader.named_json(PLAN_NAME), model_dir, any_model)
+    view = TrainerView(uri, trainer, model_dir=model_dir, any_model=any_model, capture=capture, output=output,
+                       verify_checksums=verify_checksums)  # fmt: skip
     from hsx_extractor.tools import trainer_launch
 
     vocab_dir = Path(vocab) if vocab else None
     if vocab_dir is not None:
         trainer_launch.draft_vocab_size(vocab_dir)  # refused before any data is written
     _check_dest(root)
-    writer = WRITERS[trainer](root, hidden, aux_width // hidden)
-    for position in range(len(reader)):
-        rec = first if position == 0 else reader.read(position, verify_checksums)
-        t = to_specforge(rec)
-        final = t["hidden_state"].squeeze(0)
-        writer.add(
-            Sample(
-                position,
-                rec.index,
-                t["input_ids"],
-                t["loss_mask"],
-                t["aux_hidden_state"].squeeze(0),
-                norm(final) if norm is not None else final,
-            )
-        )
+    reader = view.reader
+    if not in_place:
+        writer = WRITERS[trainer](root, view.hidden_size, view.num_aux)
+    elif trainer == "speculators":
+        writer = SpeculatorsWriter(root, view.hidden_size, view.num_aux, states=False)
+    else:
+        writer = None  # the trainer lists samples through the in-place loader: nothing per sample
+    for position in range(len(view) if writer is not None else 0):
+        writer.add(view.sample(position))
         if (position + 1) % 1000 == 0:
-            log(f"hsx export: {position + 1}/{len(reader)} samples")
-    extra = writer.close()
+            log(f"hsx export: {position + 1}/{len(view)} samples")
+    extra = writer.close() if writer is not None else {}
     record = {
         "format": "hsx-export/1",
         "trainer": trainer,
         "source": uri,
+        "inPlace": in_place,
         "runId": reader.run_id,
-        "samples": len(reader),
-        "hiddenSize": hidden,
-        "auxLayers": aux_width // hidden,
+        "samples": len(view),
+        "hiddenSize": view.hidden_size,
+        "auxLayers": view.num_aux,
         "layerIds": list(reader.capture.layer_ids),
         "trainerLayerIds": trainer_launch.trainer_layer_ids(list(reader.capture.layer_ids)),
         "layerConvention": reader.capture.layer_convention,
-        "sourceFinalState": have,
+        "sourceFinalState": view.source_state,
         "finalState": WRITERS[trainer].wants,  # type: ignore[attr-defined]
-        "finalNormApplied": norm.source if norm is not None else None,
-        "finalNormModel": model_check,
+        "finalNormApplied": view.norm.source if view.norm is not None else None,
+        "finalNormModel": view.model_check,
+        # Where an in-place loader takes the norm from (it applies it as each sample is read).
+        "finalNormModelDir": str(Path(model_dir).resolve()) if in_place and view.norm is not None and model_dir else None,
+        "anyModel": any_model,
         **extra,
     }
     run = (reader.manifest or {}).get("run") or {}
@@ -356,3 +416,23 @@ def export(
         record["launch"] = {"files": sorted(how.files), "command": how.command, "notes": list(how.notes), "vocab": placed}
     (root / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def open_in_place(dest: str | Path, trainer: str) -> TrainerView:
+    """The run an in-place export folder points at, as ``trainer`` reads it (S3 settings from the AWS
+    chain: ``AWS_ENDPOINT_URL_S3`` and the credentials of the trainer's environment)."""
+    path = Path(dest) / EXPORT_RECORD
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{path}: not an hsx export record ({exc}); make one with `hsx export --in-place`") from None
+    if not record.get("inPlace"):
+        raise ExportError(f"{dest} is a copied export, not an in-place one: read its files with {record.get('trainer')}")
+    if record.get("trainer") != trainer:
+        raise ExportError(f"{dest} was made for {record.get('trainer')}, not {trainer}: export again with --to {trainer}")
+    view = TrainerView(record["source"], trainer, model_dir=record.get("finalNormModelDir"),
+                       any_model=bool(record.get("anyModel")))  # fmt: skip
+    if view.reader.run_id != record["runId"] or len(view) != record["samples"]:
+        raise ExportError(f"{record['source']} is not the run {dest} was made from (run {record['runId']}, "
+                          f"{record['samples']} samples; now {view.reader.run_id}, {len(view)})")  # fmt: skip
+    return view

@@ -30,6 +30,11 @@ SPECFORGE_CONFIG = "specforge.json"
 SPECULATORS_ARGS = "speculators.args"
 MODELOPT_OVERRIDES = "modelopt.overrides"
 SPECFORGE_DRAFT_CONFIG = "specforge-draft.json"
+# In place (``hsx export --in-place``): SpecForge's ``data.hidden_states_path`` names the export folder
+# behind this prefix, speculators takes the hsx hidden-states backend, and both start through hsx's launcher.
+IN_PLACE_PREFIX = "hsx:"
+IN_PLACE_LAUNCHER = "python -m hsx_extractor.in_place"
+SPECULATORS_BACKEND = "hsx"
 # The target's config.json keys a draft layer shares with it (the Llama decoder layer's shape and rope).
 DRAFT_SHARED_KEYS = (
     "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim",
@@ -98,6 +103,8 @@ def launch(
 ) -> Launch:
     """The launch files and command for ``trainer`` over the export at ``dest`` (absolute paths)."""
     data = str(dest.resolve())
+    in_place = bool(record.get("inPlace"))
+    launcher = f"{IN_PLACE_LAUNCHER} " if in_place else ""
     layers = [int(i) for i in record["layerIds"]]
     size = draft_vocab_size(vocab) if vocab is not None else None
     if trainer == "specforge":
@@ -115,20 +122,24 @@ def launch(
                      f"with draft_vocab_size {size or 'the target vocabulary size'}",)  # fmt: skip
         config = {
             "model": model,
-            "data": {"hidden_states_path": data, **({"max_length": max_length} if max_length else {})},
+            "data": {"hidden_states_path": IN_PLACE_PREFIX + data if in_place else data,
+                     **({"max_length": max_length} if max_length else {})},
             "output_dir": str(dest.resolve().parent / f"{dest.name}-draft"),
         }
         files[SPECFORGE_CONFIG] = json.dumps(config, indent=2) + "\n"
-        return Launch(files, f"specforge train -c {dest.resolve() / SPECFORGE_CONFIG}", notes)
+        return Launch(files, f"{launcher}specforge train -c {dest.resolve() / SPECFORGE_CONFIG}", notes)
     if trainer == "speculators":
         args = ["--verifier-name-or-path", target_model, "--data-path", data, "--on-missing", "raise"]
         args += ["--target-layer-ids", *map(str, layers)]
+        if in_place:
+            args += ["--hidden-states-backend", SPECULATORS_BACKEND]
         if max_length:
             args += ["--total-seq-len", str(max_length)]
         if size:
             args += ["--draft-vocab-size", str(size)]
         path = dest.resolve() / SPECULATORS_ARGS
-        return Launch({SPECULATORS_ARGS: "\n".join(args) + "\n"}, f"speculators train $(cat {shlex.quote(str(path))})")
+        return Launch({SPECULATORS_ARGS: "\n".join(args) + "\n"},
+                      f"{launcher}speculators train $(cat {shlex.quote(str(path))})")  # fmt: skip
     if trainer == "modelopt":
         outputs = trainer_layer_ids(layers)["modelopt"]
         overrides = [f"model.model_name_or_path={target_model}", f"data.offline_data_path={data}",
@@ -140,6 +151,10 @@ def launch(
         if max_length:
             overrides.append(f"training.training_seq_len={max_length}")
         notes = (f"the EAGLE config's draft_vocab_size must be {size}",) if size else ()
+        if in_place:
+            notes += ("in place: Model-Optimizer's launcher builds OfflineSupervisedDataset over the .pt files "
+                      "it lists; give it hsx_extractor.in_place.modelopt.OfflineDataset(offline_data_path, "
+                      "answer_only_loss=True) instead (docs/training.md)",)  # fmt: skip
         if outputs is None:
             notes += ("capture layer 0 (the embeddings) has no layer-output id in Model-Optimizer: its "
                       "eagle_aux_hidden_state_layer_ids are left to you",)  # fmt: skip
