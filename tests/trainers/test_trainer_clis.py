@@ -4,7 +4,8 @@
 copies it (in the trainers venv), adding only the CPU switches docs/training.md lists and the CPU shim
 (cpu_shim/sitecustomize.py). A few steps train on the tiny model's real hidden states; the loss is finite
 and moves the weights, and the trainer writes a drafter checkpoint its own tools read.
-Model-Optimizer's EAGLE-3 launcher lives in its repository's examples, not in its wheel: not run here.
+Model-Optimizer's EAGLE-3 launcher lives in its repository's examples, not in its wheel: its training runs as that
+launcher wires it (tests/trainers/trainer_side.py, ``modelopt_train``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from hsx_extractor.tools.cli import main as hsx
 from hsx_extractor.tools.export import EXPORT_RECORD
 from hsx_extractor.tools.trainer_launch import SPECFORGE_DRAFT_CONFIG
 from hsx_extractor.tools.vocab import write_vocab
+from tests.trainers.conftest import run_trainer
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.trainers
@@ -107,3 +109,21 @@ def test_speculators_train_cli_trains_a_drafter_from_the_export(
     first, second = (load_file(str(saved / epoch / "model.safetensors")) for epoch in ("0", "1"))
     assert any(not torch.equal(first[k], second[k]) for k in first), "the second epoch changed no weight"
     assert json.loads((last / "config.json").read_text())["draft_vocab_size"] == 16
+
+
+def test_modelopt_trains_a_drafter_from_the_export_and_in_place(
+    prenorm_run: dict[str, Any], trainers_python: Path, tmp_path: Path
+) -> None:
+    """Model-Optimizer's training as its launcher wires it (trainer_side.modelopt_train: the launcher itself is
+    not in the wheel), from the overrides ``hsx export`` wrote, over the copied files and in place."""
+    model = str(prenorm_run["model"])
+    for mode, extra in (("modelopt-train", []), ("modelopt-train-in-place", ["--in-place"])):
+        dest = tmp_path / mode
+        assert hsx(["export", "--to", "modelopt", "--model", model, *extra, prenorm_run["uri"], str(dest)]) == 0
+        command = json.loads((dest / EXPORT_RECORD).read_text())["launch"]["command"]
+        assert command.startswith("python examples/speculative_decoding/main.py --config general/speculative_decoding/eagle3 $(cat ")
+        got = run_trainer(trainers_python, mode, dest, tmp_path / f"{mode}.safetensors", max_len=64)
+        losses = got["losses"].tolist()
+        assert len(losses) >= 10 and all(math.isfinite(x) and x > 0 for x in losses), losses
+        assert losses[-1] < losses[0], losses  # 3 epochs over 5 samples at lr 1e-3: the draft learns
+        assert int(got["saved_bytes"][0]) > 0

@@ -238,10 +238,60 @@ def modelopt(export: Path, max_len: int, in_place: bool = False) -> dict[str, to
     return out
 
 
+def modelopt_train(export: Path, max_len: int, in_place: bool) -> dict[str, torch.Tensor]:
+    """Model-Optimizer's EAGLE-3 offline training as its examples/speculative_decoding/main.py wires it (that
+    launcher is not in the wheel): its ``eagle3`` recipe with the export's ``modelopt.overrides``, its model
+    loader and ``mtsp.convert``, its offline dataset and collator, its training arguments in a Hugging Face
+    ``Trainer``; then ``save_model``. In place, the dataset is hsx's ``OfflineDataset`` (docs/training.md's
+    one-line change). CPU switches: no torch.compile, no TF32, ``use_cpu``; bf16 stays (autocast on CPU)."""
+    import dataclasses
+
+    import modelopt.torch.opt as mto
+    import modelopt.torch.speculative as mtsp
+    import transformers
+    from modelopt.recipe import load_recipe
+    from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
+    from modelopt.torch.speculative.plugins.hf_training_args import TrainingArguments as SpecTrainingArgs
+    from modelopt.torch.speculative.utils import load_vlm_or_llm
+
+    mto.enable_huggingface_checkpointing()
+    out_dir = export.parent / f"{export.name}-drafter"
+    overrides = [line for line in (export / "modelopt.overrides").read_text().splitlines() if line]
+    overrides += ["eagle.eagle_use_torch_compile=false", "training.tf32=false", f"training.output_dir={out_dir}",
+                  "training.warmup_steps=0", "training.logging_steps=1", "training.num_train_epochs=3",
+                  f"training.training_seq_len={max_len}", "training.learning_rate=1e-3"]  # fmt: skip
+    recipe = load_recipe("general/speculative_decoding/eagle3", overrides=overrides)
+    fields = [(n, f.annotation, dataclasses.field(default=f.default)) for n, f in SpecTrainingArgs.model_fields.items()]
+    hf_args = dataclasses.make_dataclass("HfTrainingArguments", fields, bases=(transformers.TrainingArguments,))
+    hf_args.__module__ = __name__  # the Trainer pickles its arguments with the checkpoint: findable by name
+    globals()["HfTrainingArguments"] = hf_args
+    args = hf_args(**recipe.training.model_dump(), use_cpu=True, report_to=[])
+    model = load_vlm_or_llm(recipe.model.model_name_or_path, use_fake_base=recipe.model.use_fake_base_for_offline,
+                            use_offline_training=True, dtype="auto", device_map="cpu")  # fmt: skip
+    mtsp.convert(model, [("eagle", recipe.eagle.model_dump())])
+    if in_place:
+        from hsx_extractor.in_place.modelopt import OfflineDataset
+
+        dataset: Any = OfflineDataset(recipe.data.offline_data_path, answer_only_loss=args.answer_only_loss)
+    else:
+        files = sorted(str(p) for p in Path(recipe.data.offline_data_path).rglob("*.pt"))
+        dataset = OfflineSupervisedDataset(files, answer_only_loss=args.answer_only_loss)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset,
+                                   data_collator=EagleOfflineDataCollator(args.training_seq_len))  # fmt: skip
+    trainer.train()
+    trainer.save_model(str(out_dir))
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    saved = sorted(p.name for p in out_dir.iterdir())
+    print(f"modelopt-train: losses {losses}; saved {saved}", flush=True)
+    return {"losses": torch.tensor(losses), "saved_bytes": torch.tensor([sum(p.stat().st_size for p in out_dir.rglob("*"))])}
+
+
 def main(argv: list[str]) -> int:
     mode, export, dest = argv[0], Path(argv[1]), argv[2]
     max_len = int(argv[3]) if len(argv) > 3 else 2048
-    if mode.endswith("-step"):
+    if mode.startswith("modelopt-train"):
+        loaded = modelopt_train(export, max_len, mode.endswith("-in-place"))
+    elif mode.endswith("-step"):
         loaded = {"specforge-step": specforge_step, "speculators-step": speculators_step}[mode](
             export, max_len, argv[4]
         )

@@ -24,10 +24,11 @@ TRAINERS = (SPECFORGE, SPECULATORS, HS_CONNECTORS, MODELOPT)
 
 # What the trainers' data and training code import (read from their wheels), at versions inside
 # every trainer's range that also hold together: torch 2.14.1 is speculators' ceiling and the
-# SGLang CPU venv's torch; transformers 5.19.0 is speculators' ceiling.
+# SGLang CPU venv's torch; transformers 5.8.1 is SpecForge's pin, inside speculators' range (>=5.0, <=5.19)
+# and under Model-Optimizer's (<5.15: 5.19's rotary embedding no longer takes the device its EAGLE module passes).
 REQUIREMENTS = (
     "torch==2.14.1",
-    "transformers==5.19.0",
+    "transformers==5.8.1",
     "datasets==5.1.0",
     "safetensors",
     "numpy<=2.5.4",

@@ -30,6 +30,7 @@ SPECFORGE_CONFIG = "specforge.json"
 SPECULATORS_ARGS = "speculators.args"
 MODELOPT_OVERRIDES = "modelopt.overrides"
 SPECFORGE_DRAFT_CONFIG = "specforge-draft.json"
+MODELOPT_RECIPE = "general/speculative_decoding/eagle3"  # Model-Optimizer's built-in EAGLE-3 recipe
 # In place (``hsx export --in-place``): SpecForge's ``data.hidden_states_path`` names the export folder
 # behind this prefix, speculators takes the hsx hidden-states backend, and both start through hsx's launcher.
 IN_PLACE_PREFIX = "hsx:"
@@ -161,7 +162,8 @@ def launch(
         path = dest.resolve() / MODELOPT_OVERRIDES
         return Launch(
             {MODELOPT_OVERRIDES: "\n".join(overrides) + "\n"},
-            f"Model-Optimizer's examples/speculative_decoding launcher with the eagle3 recipe and $(cat {path})",
+            # Run from a checkout of Model-Optimizer (its launcher imports its neighbours; it is not in the wheel).
+            f"python examples/speculative_decoding/main.py --config {MODELOPT_RECIPE} $(cat {shlex.quote(str(path))})",
             notes,
         )
     raise LaunchError(f"no launch files for trainer {trainer!r}")
