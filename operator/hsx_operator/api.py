@@ -225,9 +225,8 @@ class ServerSpec(_Spec):
     )
     image: str | None = Field(
         default=None,
-        description="Server image; defaults to hsx's image of the engine ("
-        + ", ".join(f"{k}: {v}" for k, v in DEFAULT_SERVER_IMAGES.items())
-        + ").",
+        description="Server image; defaults to the cluster's (the chart's clusterDefaults), else hsx's image of the "
+        f"engine ({', '.join(f'{k}: {v}' for k, v in DEFAULT_SERVER_IMAGES.items())}).",
         min_length=1,
         max_length=_STR,
     )
@@ -279,9 +278,8 @@ class ServerSpec(_Spec):
 class ExtractorSpec(_Spec):
     """The hsx extractor, the pod's main container."""
 
-    image: str = Field(
-        default=DEFAULT_EXTRACTOR_IMAGE, description="Extractor image.", min_length=1, max_length=_STR
-    )
+    image: str | None = Field(default=None, min_length=1, max_length=_STR, description=f"Extractor image; defaults to "
+                              f"the cluster's (the chart's clusterDefaults), else {DEFAULT_EXTRACTOR_IMAGE}.")  # fmt: skip
     imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="When the node pulls the extractor image."
     )
@@ -494,3 +492,6 @@ class ExtractionJobSpec(_Spec):
 
     def server_image(self) -> str:
         return self.server.image or DEFAULT_SERVER_IMAGES[self.server.engine]
+
+    def extractor_image(self) -> str:
+        return self.extractor.image or DEFAULT_EXTRACTOR_IMAGE

@@ -353,7 +353,7 @@ def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None =
     }
     extractor = {
         "name": EXTRACTOR_CONTAINER,
-        "image": spec.extractor.image,
+        "image": spec.extractor_image(),
         "imagePullPolicy": spec.extractor.imagePullPolicy,
         "command": ["hsx", "extract", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
         "env": [
@@ -465,6 +465,21 @@ def _apply_pod_settings(pod: PodSettings, pod_spec: dict[str, Any], extractors: 
             mount = {"name": "ca-bundle", "mountPath": CA_DIR, "readOnly": True}
             container["volumeMounts"] = [*container["volumeMounts"], mount]
             container["env"] = [*container["env"], {"name": "AWS_CA_BUNDLE", "value": f"{CA_DIR}/{pod.caBundleKey}"}]
+    taken = sorted({m["mountPath"] for c in extractors for m in c["volumeMounts"]})
+    for i, extra in enumerate(pod.volumes):
+        clash = next((t for t in taken if _overlaps(extra.mountPath, t)), None)
+        if clash is not None:
+            raise ValueError(f"pod.volumes[{i}].mountPath {extra.mountPath} overlaps {clash}, where hsx mounts its own")
+        pod_spec["volumes"].append({"name": f"user-{extra.name}", **extra.source()})
+        mount = {"name": f"user-{extra.name}", "mountPath": extra.mountPath, "readOnly": extra.readOnly}
+        for container in extractors:
+            container["volumeMounts"] = [*container["volumeMounts"], mount]
+
+
+def _overlaps(path: str, other: str) -> bool:
+    """One path is the other or lies inside it (whole components)."""
+    a, b = posixpath.normpath(path), posixpath.normpath(other)
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
 
 
 def with_queue_label(spec: ExtractionJobSpec, xj_labels: Mapping[str, str] | None) -> ExtractionJobSpec:

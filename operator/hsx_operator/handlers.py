@@ -23,6 +23,8 @@ from hsx_extractor.usage import describe_validation_error
 from hsx_operator import metrics
 from hsx_operator.api import GROUP, PLURAL, VERSION, ExtractionJobSpec
 from hsx_operator.cluster import Cluster, client_refusal, create_refusal, poll_pods
+from hsx_operator.cluster_defaults import ANNOTATION as DEFAULTS_ANNOTATION
+from hsx_operator.cluster_defaults import ClusterDefaults, with_cluster_defaults
 from hsx_operator.desired import (
     LABEL_QUEUE,
     LABEL_RUN,
@@ -42,6 +44,7 @@ from hsx_operator.status import TERMINAL_PHASES, ExtractionJobStatus, Phase, Rea
 POLL_SECONDS = float(os.environ.get("HSX_OPERATOR_POLL_SECONDS", "5"))
 # The cluster admin's allow-lists; main() sets them from the command line before kopf runs.
 POLICY = NodeAccessPolicy()
+CLUSTER_DEFAULTS = ClusterDefaults()
 _locks: dict[str, threading.Lock] = {}
 _locks_guard = threading.Lock()
 log = logging.getLogger("hsx_operator")
@@ -119,7 +122,8 @@ def _reconcile(
     generation: int,
 ) -> None:
     try:
-        xj = with_queue_label(ExtractionJobSpec.model_validate(dict(spec)), body.get("metadata", {}).get("labels"))
+        labelled = with_queue_label(ExtractionJobSpec.model_validate(dict(spec)), body.get("metadata", {}).get("labels"))
+        xj, from_defaults = with_cluster_defaults(labelled, CLUSTER_DEFAULTS)
     except ValidationError as exc:
         # The API server accepted it, so the CRD and the models disagree: say so, touch nothing.
         wanted = {
@@ -157,7 +161,7 @@ def _reconcile(
     )
     refusal: Refusal | None = None
     if needs_job(run_status, job):
-        job, refusal = _create_run(cluster, owner, xj)
+        job, refusal = _create_run(cluster, owner, xj, from_defaults)
         if job is not None:
             metrics.JOBS_CREATED.inc()
             kopf.info(body, reason="JobCreated", message=f"created Job {current} for run {xj.runId}")
@@ -223,12 +227,14 @@ def _reconcile(
 
 
 def _create_run(
-    cluster: Cluster, owner: Owner, xj: ExtractionJobSpec
+    cluster: Cluster, owner: Owner, xj: ExtractionJobSpec, from_defaults: list[str]
 ) -> tuple[dict[str, Any] | None, Refusal | None]:
     """Create the run's ConfigMap and Job: (the Job, None), or (None, why not)."""
     try:
         config_map = desired_config_map(owner, xj)
         manifest = desired_job(owner, xj, suspend=initial_suspend(xj))
+        if from_defaults:  # which fields the cluster's defaults filled, for whoever reads the Job
+            manifest["metadata"].setdefault("annotations", {})[DEFAULTS_ANNOTATION] = ",".join(from_defaults)
     except ValueError as exc:  # the spec passed the CRD but cannot make a Job (launch.server_args' checks)
         return None, Refusal(Reason.INVALID_SPEC, f"{exc}; fix the spec and change runId", permanent=True)
     denied = violations(manifest["spec"]["template"]["spec"], POLICY)

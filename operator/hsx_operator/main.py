@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="run only images under PREFIX (registry/repository, repeatable; default: any image)",
     )
+    parser.add_argument(
+        "--cluster-defaults",
+        metavar="JSON",
+        default="{}",
+        help="what every ExtractionJob gets where its spec is silent (the chart's clusterDefaults; cluster_defaults.py)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
 
@@ -67,10 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         # One line per timer tick is noise; handler failures are logged as warnings and errors.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     from hsx_operator import handlers  # registers the handlers
+    from hsx_operator.cluster_defaults import ClusterDefaults
     from hsx_operator.policy import NodeAccessPolicy
 
     try:
         handlers.POLICY = NodeAccessPolicy.of(args.allow_host_path, args.allow_priority_class, args.allow_image_prefix)
+        handlers.CLUSTER_DEFAULTS = ClusterDefaults.from_json(args.cluster_defaults)
     except ValueError as exc:
         build_parser().error(str(exc))
 

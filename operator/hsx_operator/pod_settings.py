@@ -42,6 +42,45 @@ class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+ABS_PATH = r"^/.*$"
+
+
+class ExtraVolume(_Spec):
+    """A ConfigMap, Secret or PersistentVolumeClaim mounted into the extractor and its preflight (a tokenizer
+    override, a dataset on a PVC, a client certificate). Exactly one source."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "[has(self.configMap), has(self.secret), has(self.persistentVolumeClaim)].filter(x, x).size() == 1",
+                    "pod.volumes[] needs exactly one of configMap, secret or persistentVolumeClaim",
+                )
+            ]
+        }
+    )
+    name: str = Field(description="Volume name, unique in the list (the pod's volume is user-NAME).",
+                      max_length=48, pattern=DNS_LABEL_PATTERN)  # fmt: skip
+    mountPath: str = Field(description="Absolute path in the extractor's containers; not over a path hsx mounts.",
+                           max_length=256, pattern=ABS_PATH)  # fmt: skip
+    readOnly: bool = Field(default=True, description="Mount read-only (the default).")
+    configMap: str | None = Field(default=None, description="A ConfigMap of the job's namespace.", max_length=253,
+                                  pattern=DNS_SUBDOMAIN_PATTERN)  # fmt: skip
+    secret: str | None = Field(default=None, description="A Secret of the job's namespace.", max_length=253,
+                               pattern=DNS_SUBDOMAIN_PATTERN)  # fmt: skip
+    persistentVolumeClaim: str | None = Field(default=None, description="A PersistentVolumeClaim of the job's "
+                                              "namespace.", max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)  # fmt: skip
+
+    def source(self) -> dict[str, Any]:
+        """The Pod API's volume source."""
+        if self.configMap:
+            return {"configMap": {"name": self.configMap}}
+        if self.secret:
+            return {"secret": {"secretName": self.secret}}
+        return {"persistentVolumeClaim": {"claimName": self.persistentVolumeClaim, "readOnly": self.readOnly}}
+
+
 class PodSettings(_Spec):
     """Settings of every pod of the run, passed through as the Pod API has them."""
 
@@ -90,6 +129,13 @@ class PodSettings(_Spec):
         description="The key of caBundleConfigMap holding the bundle.",
         max_length=253,
         pattern=r"^[-._a-zA-Z0-9]+$",
+    )
+    volumes: list[ExtraVolume] = Field(
+        default_factory=list,
+        description="Extra volumes of the extractor and its preflight (ConfigMaps, Secrets, PVCs); the server's "
+        "container does not see them.",
+        max_length=8,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
 
     # A key check in CEL would price every key at the largest request: the operator checks it (InvalidSpec).

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
+from hsx_operator.cluster_defaults import ClusterDefaults
 from hsx_operator.main import build_parser
 from tests.install.chart import CHART, CRDS, chart_meta, find, helm, render, render_text
 
@@ -40,6 +41,16 @@ VALUE_SETS: dict[str, dict[str, str]] = {
         "metrics.service.enabled": "false",
         "serviceAccount.create": "false",
         "serviceAccount.name": "ops",
+    },
+    "cluster-defaults": {
+        "clusterDefaults.imageRegistry": "registry.example.com/mirror/hsx",
+        "clusterDefaults.imagePullSecrets": "{mirror-pull}",
+        "clusterDefaults.tolerations[0].key": "nvidia.com/gpu",
+        "clusterDefaults.tolerations[0].operator": "Exists",
+        "clusterDefaults.nodeSelector.pool": "gpu",
+        "clusterDefaults.queueName": "team-queue",
+        "clusterDefaults.s3.endpoint": "https://s3.internal.example.com",
+        "clusterDefaults.s3.pathStyle": "true",
     },
 }
 
@@ -195,6 +206,13 @@ def test_the_operator_accepts_the_arguments_the_chart_passes() -> None:
         assert args.allow_priority_class == [c for c in classes.split(",") if c], name
         images = values.get("policy.allowedImagePrefixes", "{}").strip("{}")
         assert args.allow_image_prefix == [i for i in images.split(",") if i], name
+        defaults = ClusterDefaults.from_json(args.cluster_defaults)  # what the operator does at start
+        if name == "cluster-defaults":
+            assert defaults.imageRegistry == "registry.example.com/mirror/hsx" and defaults.imagePullSecrets == ["mirror-pull"]
+            assert defaults.tolerations[0].key == "nvidia.com/gpu" and defaults.nodeSelector == {"pool": "gpu"}
+            assert defaults.s3 is not None and defaults.s3.pathStyle is True and defaults.queueName == "team-queue"
+        else:
+            assert defaults == ClusterDefaults(), name
 
 
 def rules_of(doc: dict[str, Any]) -> set[tuple[str, str]]:
@@ -260,10 +278,13 @@ def test_crd_default_images_follow_the_app_version() -> None:
     app_version = chart_meta()["appVersion"]
     crd = yaml.safe_load((CHART / "crds" / "extractionjobs.hsx.dev.yaml").read_text())
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
-    image = spec["extractor"]["properties"]["image"]["default"]
+    # The images default in the operator (the cluster's defaults first), so the CRD names hsx's in the descriptions.
+    from hsx_operator.api import DEFAULT_EXTRACTOR_IMAGE, DEFAULT_SERVER_IMAGES
+
+    image = DEFAULT_EXTRACTOR_IMAGE
+    assert "default" not in spec["extractor"]["properties"]["image"]
     assert image.startswith("ghcr.io/hsx-dev/") and image.endswith(f":{app_version}"), image
-    # The server image defaults per engine (in the operator), so the CRD names each in its description.
-    from hsx_operator.api import DEFAULT_SERVER_IMAGES
+    assert image in spec["extractor"]["properties"]["image"]["description"]
 
     described = spec["server"]["properties"]["image"]["description"]
     for engine, image in DEFAULT_SERVER_IMAGES.items():

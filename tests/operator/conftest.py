@@ -148,7 +148,14 @@ def hsx_node(node_agent: Any, tiny_model: Path) -> Any:
 class OperatorProcess:
     """One `hsx-operator` subprocess watching one namespace, as the least-privilege user."""
 
-    def __init__(self, kubeconfig: Path, namespace: str, log: Path, allow_host_paths: tuple[Path, ...] = ()):
+    def __init__(
+        self,
+        kubeconfig: Path,
+        namespace: str,
+        log: Path,
+        allow_host_paths: tuple[Path, ...] = (),
+        extra_args: tuple[str, ...] = (),
+    ):
         env = {**os.environ, "KUBECONFIG": str(kubeconfig), "HSX_OPERATOR_POLL_SECONDS": POLL_SECONDS}
         self.log = log
         with log.open("ab") as out:
@@ -157,6 +164,7 @@ class OperatorProcess:
                     str(BIN / "hsx-operator"),
                     *("-n", namespace, "--metrics-port", "0"),
                     *(f"--allow-host-path={p}" for p in allow_host_paths),
+                    *extra_args,
                 ],
                 env=env,
                 stdout=out,
@@ -190,14 +198,14 @@ def start_operator(
     tmp_path: Path,
     op_workdir: Path,
     request: pytest.FixtureRequest,
-) -> Iterator[Callable[[], OperatorProcess]]:
+) -> Iterator[Callable[..., OperatorProcess]]:
     """Start operators for the test's namespace (each call one more); all are stopped afterwards.
     They allow host paths under the session's work directory only (models, datasets, outputs)."""
     started: list[OperatorProcess] = []
 
-    def start() -> OperatorProcess:
+    def start(*extra_args: str) -> OperatorProcess:
         log = tmp_path / f"operator-{len(started)}.log"
-        op = OperatorProcess(operator_kubeconfig, namespace, log, allow_host_paths=(op_workdir,))
+        op = OperatorProcess(operator_kubeconfig, namespace, log, allow_host_paths=(op_workdir,), extra_args=extra_args)
         started.append(op)
         return op
 

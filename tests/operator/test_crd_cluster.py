@@ -240,6 +240,17 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("pod-sa-uppercase", _with("pod", {"serviceAccountName": "Builder"}), "spec.pod.serviceAccountName: Invalid value"),
     ("pod-pull-secret-bad", _with("pod", {"imagePullSecrets": ["a b"]}), "spec.pod.imagePullSecrets[0]: Invalid value"),
     (
+        "pod-volume-two-sources",
+        _with("pod", {"volumes": [{"name": "tok", "mountPath": "/tok", "configMap": "a", "secret": "b"}]}),
+        "exactly one of configMap, secret or persistentVolumeClaim",
+    ),
+    (
+        "pod-volume-same-name",
+        _with("pod", {"volumes": [{"name": "a", "mountPath": "/a", "secret": "s"}, {"name": "a", "mountPath": "/b", "secret": "t"}]}),
+        "Duplicate value",
+    ),
+    ("pod-volume-relative", _with("pod", {"volumes": [{"name": "a", "mountPath": "a", "secret": "s"}]}), "mountPath: Invalid value"),
+    (
         "name-with-dots",
         {**VALID, "metadata": {"name": "llama-3.1-8b"}},
         "metadata.name may not contain dots",
@@ -268,7 +279,8 @@ def test_cross_field_rules_let_sound_specs_through(xj_crd: Any, namespace: str) 
     doc["spec"]["extractor"] = {"dumpDirMaxBytes": 16 << 30, "env": [{"name": "HTTPS_PROXY", "value": "http://p:3128"}]}
     doc["spec"]["pod"] = {"serviceAccountName": "s3-reader", "imagePullSecrets": ["registry"], "labels": {"team": "ml"},
                           "annotations": {"example.com/cost": "a"}, "runtimeClassName": "nvidia",
-                          "caBundleConfigMap": "corp-ca"}  # fmt: skip
+                          "caBundleConfigMap": "corp-ca", "volumes": [{"name": "tok", "mountPath": "/tok", "configMap": "t"},
+                          {"name": "data", "mountPath": "/data", "persistentVolumeClaim": "d", "readOnly": False}]}  # fmt: skip
     xj_crd.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(doc))
     # vLLM with its own tuning flags (SGLang's owned --context-length is vLLM's to take).
     doc["metadata"]["name"] = "xj-vllm"

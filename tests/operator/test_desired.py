@@ -320,6 +320,28 @@ def test_pod_settings_pass_through_and_hsx_keys_win() -> None:
     assert not {"serviceAccountName", "imagePullSecrets", "runtimeClassName"} & plain.keys()
 
 
+def test_extra_volumes_reach_the_extractor_and_preflight_only_and_never_over_hsxs_mounts() -> None:
+    volumes = [{"name": "tok", "mountPath": "/opt/tokenizer", "configMap": "tok"},
+               {"name": "cert", "mountPath": "/etc/client-cert", "secret": "client-cert"},
+               {"name": "data", "mountPath": "/data", "persistentVolumeClaim": "shared", "readOnly": False}]  # fmt: skip
+    pod = desired_job(Owner(name="xj", namespace="ml", uid="u"), make_spec(pod={"volumes": volumes}))["spec"]["template"]["spec"]
+    assert {"name": "user-tok", "configMap": {"name": "tok"}} in pod["volumes"]
+    assert {"name": "user-cert", "secret": {"secretName": "client-cert"}} in pod["volumes"]
+    assert {"name": "user-data", "persistentVolumeClaim": {"claimName": "shared", "readOnly": False}} in pod["volumes"]
+    by_name = {c["name"]: c for c in [*pod["containers"], *pod["initContainers"]]}
+    for name in ("extractor", "preflight"):
+        mounts = {m["name"]: m for m in by_name[name]["volumeMounts"]}
+        assert mounts["user-tok"] == {"name": "user-tok", "mountPath": "/opt/tokenizer", "readOnly": True}
+        assert mounts["user-data"]["readOnly"] is False
+    assert not [m for c in by_name.values() if c["name"] not in ("extractor", "preflight") for m in c["volumeMounts"]
+                if m["name"].startswith("user-")]  # fmt: skip
+    scratch = next(m["mountPath"] for m in by_name["extractor"]["volumeMounts"] if m["name"] == "scratch")
+    for path in (scratch, scratch + "/mine", "/"):
+        with pytest.raises(ValueError, match=r"pod.volumes\[0\].mountPath .* overlaps"):
+            desired_job(Owner(name="xj", namespace="ml", uid="u"),
+                        make_spec(pod={"volumes": [{"name": "x", "mountPath": path, "secret": "s"}]}))  # fmt: skip
+
+
 def test_the_kueue_queue_label_on_the_extractionjob_names_its_queue() -> None:
     from hsx_operator.desired import initial_suspend, with_queue_label
 
