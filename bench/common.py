@@ -121,10 +121,10 @@ def tls_files(directory: Path) -> TlsFiles:
 
 
 @contextlib.contextmanager
-def null_sink(tls: TlsFiles | None = None) -> Iterator[str]:
+def null_sink(tls: TlsFiles | None = None, slow_shards: float = 0.0) -> Iterator[str]:
     """``python -m bench.null_s3`` on a free 127.0.0.1 port (its endpoint URL); stopped on exit.
-    With ``tls`` it serves HTTPS."""
-    cmd = [sys.executable, "-m", "bench.null_s3"]
+    With ``tls`` it serves HTTPS; ``slow_shards``: each PUT of a shard's bytes waits that many seconds."""
+    cmd = [sys.executable, "-m", "bench.null_s3", "--slow-shards", str(slow_shards)]
     if tls is not None:
         cmd += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -273,3 +273,45 @@ def rmtree(path: Path) -> None:
 
 def mb(n: float) -> str:
     return f"{n / 1e6:,.0f} MB"
+
+
+def spool_files() -> dict[int, os.stat_result]:
+    """This process's open shard spool files (``/proc/self/fd``): fd -> its stat."""
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "hsx-shard-" in os.readlink(f"/proc/self/fd/{fd}"):
+                found[int(fd)] = os.stat(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+    return found
+
+
+class SpoolWatch:
+    """The most spool files (and their bytes) this process held at once, polled every 10 ms: what a pod's /scratch
+    holds. Files already open when the watch starts are not the run's (an earlier store may still hold one)."""
+
+    def __init__(self) -> None:
+        self.peak_files = 0
+        self.peak_bytes = 0
+        self.before = {(fd, st.st_ino) for fd, st in spool_files().items()}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            files, size = 0, 0
+            for fd, st in spool_files().items():
+                if (fd, st.st_ino) not in self.before:
+                    files += 1
+                    size += st.st_size
+            self.peak_files, self.peak_bytes = max(self.peak_files, files), max(self.peak_bytes, size)
+            self._stop.wait(0.01)
+
+    def __enter__(self) -> SpoolWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

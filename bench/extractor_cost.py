@@ -70,7 +70,7 @@ class Workload:
 
 
 @contextlib.contextmanager
-def workload(name: str, mib: int, marginal: bool, tls: bool = False) -> Iterator[Workload]:
+def workload(name: str, mib: int, marginal: bool, tls: bool = False, slow_shards: float = 0.0) -> Iterator[Workload]:
     """Rows of ``mib`` MiB of hidden states (H=4096, 3 aux layers, 768-1536 tokens per sample, as B1), served
     and sunk by local processes, removed on exit. With ``tls`` the sink serves HTTPS (a throwaway CA's
     certificate, which the extractor trusts through AWS_CA_BUNDLE)."""
@@ -97,7 +97,7 @@ def workload(name: str, mib: int, marginal: bool, tls: bool = False) -> Iterator
         certs = tls_files(work) if tls else None
         if certs is not None:
             os.environ["AWS_CA_BUNDLE"] = str(certs.ca)
-        with synth_server(dumps, HIDDEN, 1536) as synth, null_sink(certs) as sink:
+        with synth_server(dumps, HIDDEN, 1536) as synth, null_sink(certs, slow_shards) as sink:
             yield Workload(rows, long_rows, raw_bytes(lengths, HIDDEN, NUM_AUX), raw_bytes(long_lengths, HIDDEN, NUM_AUX),
                            tok, synth.url, dumps, sink, work)
     finally:

@@ -13,8 +13,11 @@
    (bound: 256 bytes per shard, commit records without token counts or quarantine) and each worker's peak RSS
    above an idle worker's (bound: 64 MiB, what 10k slim commit records and the read buffers take).
 
-Scratch with a store 10x slower than extraction is bounded by ``output.maxOpenShards`` and measured in
-``tests/run/test_scratch_bound.py`` (spool files and bytes on /scratch while every upload is slowed).
+3. **Scratch with a store 10x slower than extraction.** B1's pre-tokenized rows against the synthetic server into the
+   null S3 sink, first at full speed (seconds per shard), then with every shard PUT held ``--slow-factor`` times
+   that long: the most spool files (the pod's /scratch) open at once, with ``output.maxOpenShards`` at its
+   default and unbounded (64). Bound: ``maxOpenShards`` files of at most a shard's target plus one sample each (the
+   last sample may pass the target); ``tests/run/test_scratch_bound.py`` checks the same through a real S3 server.
 """
 
 from __future__ import annotations
@@ -197,6 +200,45 @@ def measure_reader(shards: int, workers: int) -> dict[str, Any]:
     return got
 
 
+def measure_scratch(mib: int, shard_mib: int, factor: float) -> dict[str, Any]:
+    import asyncio
+
+    from bench.common import SpoolWatch
+    from bench.extractor_cost import workload
+    from hsx_extractor.config import ExtractConfig, OutputSpec
+    from hsx_extractor.run.runner import extract
+
+    default_open = OutputSpec.model_fields["maxOpenShards"].default
+
+    def run(name: str, slow: float, max_open: int) -> dict[str, Any]:
+        with workload(name, mib, False, slow_shards=slow) as w:
+            cfg = w.config(name, w.rows, "none", shard_mib)
+            cfg["output"]["maxOpenShards"] = max_open
+            t0 = time.perf_counter()
+            with SpoolWatch() as watch:
+                code, result = asyncio.run(extract(ExtractConfig.model_validate(cfg)))
+            wall = time.perf_counter() - t0
+        if code != 0 or result is None or result.manifest is None:
+            raise RuntimeError(f"{name}: hsx extract exited {code}")
+        shards = len(result.manifest["shards"])
+        return {"shards": shards, "wallSeconds": round(wall, 2), "secondsPerShard": round(wall / shards, 3),
+                "peakSpoolFiles": watch.peak_files, "peakSpoolBytes": watch.peak_bytes}  # fmt: skip
+
+    fast = run("scratch-fast", 0.0, default_open)
+    slow = round(factor * fast["secondsPerShard"], 3)
+    bounded, loose = run("scratch-bounded", slow, default_open), run("scratch-loose", slow, 64)
+    from bench.b1_dataplane import NUM_AUX
+    from bench.extractor_cost import HIDDEN
+
+    largest_sample = 1536 * HIDDEN * (NUM_AUX + 1) * 2  # the workload's longest row: a shard may pass its target by one
+    bound_bytes = default_open * ((shard_mib << 20) + largest_sample)
+    return {
+        "fast": fast, "slowShardPutSeconds": slow, "bounded": bounded, "unbounded": loose, "maxOpenShards": default_open,
+        "bound": f"<= maxOpenShards ({default_open}) spool files and {bound_bytes >> 20} MiB",
+        "withinBound": bounded["peakSpoolFiles"] <= default_open and bounded["peakSpoolBytes"] <= bound_bytes,
+    }  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
@@ -213,12 +255,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cell-mib", type=int, default=100)
     p.add_argument("--shards", type=int, default=10_000)
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--scratch-mib", type=int, default=768, help="hidden states of the scratch case")
+    p.add_argument("--shard-mib", type=int, default=64)
+    p.add_argument("--slow-factor", type=float, default=10.0)
+    p.add_argument("--only", choices=("parquet", "reader", "scratch"), help="one case")
     args = p.parse_args(argv)
-    result = {
-        "parquet": measure_parquet(args.parquet_mib, args.cell_mib),
-        "reader": measure_reader(args.shards, args.workers),
+    cases = {
+        "parquet": lambda: measure_parquet(args.parquet_mib, args.cell_mib),
+        "reader": lambda: measure_reader(args.shards, args.workers),
+        "scratch": lambda: measure_scratch(args.scratch_mib, args.shard_mib, args.slow_factor),
     }
-    path = write_result("hostile_memory", result)
+    result = {name: case() for name, case in cases.items() if args.only in (None, name)}
+    path = write_result("hostile_memory" if args.only is None else f"hostile_memory_{args.only}", result)
     for name, got in result.items():
         print(f"{name}: within bound: {got['withinBound']} ({got['bound']})")
     print(json.dumps(result, indent=1))

@@ -45,6 +45,7 @@ class Sink:
         self.uploads: dict[str, tuple[str, str, float]] = {}  # upload id -> (bucket, key, started)
         self.part_sizes: dict[str, dict[int, int]] = {}  # upload id -> part number -> bytes
         self.bytes_discarded = 0
+        self.slow_shards = 0.0  # seconds each PUT under /shards/ waits
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -126,6 +127,8 @@ class Handler(BaseHTTPRequestHandler):
         bucket, key, query = self._where()
         size, body, trailers = self._body()
         sink = self.sink
+        if sink.slow_shards and "/shards/" in key:  # a store slower than extraction (bench.hostile_memory)
+            time.sleep(sink.slow_shards)
         if "uploadId" in query:  # UploadPart
             with sink.lock:
                 upload_id = query["uploadId"][0]
@@ -257,8 +260,9 @@ class Handler(BaseHTTPRequestHandler):
         self._reply(200, xml.encode(), {"Content-Type": "application/xml"})
 
 
-def serve(port: int = 0) -> ThreadingHTTPServer:
+def serve(port: int = 0, slow_shards: float = 0.0) -> ThreadingHTTPServer:
     sink = Sink()
+    sink.slow_shards = slow_shards
     handler = type("SinkHandler", (Handler,), {"sink": sink})
     server = ThreadingHTTPServer(("127.0.0.1", port), handler)
     server.daemon_threads = True
@@ -270,8 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM) ...")
     p.add_argument("--tls-key", help="... and this key (PEM)")
+    p.add_argument("--slow-shards", type=float, default=0.0, help="seconds each PUT of a shard's bytes waits")
     args = p.parse_args(argv)
-    server = serve(args.port)
+    server = serve(args.port, args.slow_shards)
     scheme = "http"
     if args.tls_cert:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

@@ -7,13 +7,12 @@ every shard upload slow."""
 from __future__ import annotations
 
 import asyncio
-import os
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.common import SpoolWatch
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.contract import EXIT_OK
 from hsx_extractor.run.runner import extract
@@ -22,48 +21,6 @@ from tests.storage.faultproxy import FaultPlan, FaultProxy
 from .helpers import RefServer, base_config, chat_rows, write_jsonl
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
-
-
-def spool_files() -> dict[int, os.stat_result]:
-    """This process's open spool files: fd -> its stat."""
-    found = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if "hsx-shard-" in os.readlink(f"/proc/self/fd/{fd}"):
-                found[int(fd)] = os.stat(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-    return found
-
-
-class SpoolWatch:
-    """The most spool files (and their bytes) the run held at once, polled every 10 ms. Files already open
-    when the watch starts are not the run's: an earlier test's store in this process may still hold one."""
-
-    def __init__(self) -> None:
-        self.peak_files = 0
-        self.peak_bytes = 0
-        self.before = {(fd, st.st_ino) for fd, st in spool_files().items()}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            files, size = 0, 0
-            for fd, st in spool_files().items():
-                if (fd, st.st_ino) not in self.before:
-                    files += 1
-                    size += st.st_size
-            self.peak_files, self.peak_bytes = max(self.peak_files, files), max(self.peak_bytes, size)
-            self._stop.wait(0.01)
-
-    def __enter__(self) -> SpoolWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def run_through_slow_store(tmp_path: Path, ref_server: RefServer, proxy: FaultProxy, bucket: str, max_open: int) -> SpoolWatch:

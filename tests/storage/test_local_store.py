@@ -370,3 +370,29 @@ def test_dataloader_workers_decode_into_shared_memory(tmp_path: Path, compressio
         direct = dataset[i]
         for name in ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state"):
             assert item[name].dtype == direct[name].dtype and torch.equal(item[name], direct[name]), (i, name)
+
+
+def test_the_manifest_lists_the_first_quarantined_rows_and_counts_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hsx_extractor.storage import manifest as manifest_module
+
+    monkeypatch.setattr(manifest_module, "QUARANTINE_LISTED", 7)  # the real cap is 1000: the same code path
+    store = _store(tmp_path)
+    quarantined = frozenset(range(2, 40, 2))  # 19 rows in 4 shards
+    write_run(store, plan_for(40, 4), quarantine=quarantined)
+    manifest = finalize_run(store, {"model": "tiny"})
+    assert manifest["quarantined"] == 19 and manifest["quarantineByReason"] == {"too_long": 19}
+    assert [q["index"] for q in manifest["quarantine"]] == sorted(quarantined)[:7]
+    from hsx_extractor.tools.runs import describe
+
+    shown = describe(str(tmp_path / "run-1"))
+    assert shown["quarantineReasons"][0]["count"] == 19 and shown["quarantineReasons"][0]["examples"]
+
+
+def test_a_writer_refuses_json_readers_would_refuse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hsx_extractor.storage import store as store_module
+
+    monkeypatch.setattr(store_module, "MAX_NAMED_JSON_BYTES", 1000)
+    store = _store(tmp_path)
+    with pytest.raises(PermanentStoreError, match="more than readers take"):
+        store.put_json_if_absent("plan.json", {"shards": list(range(500))})
+    assert store.get_json("plan.json") is None

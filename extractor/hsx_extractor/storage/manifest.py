@@ -3,8 +3,10 @@ writer) and what the commit records add up to (a pure function of them). docs/fo
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Final
 
 from hsx_extractor import __version__
@@ -16,6 +18,9 @@ MANIFEST_VERSION: Final = "hsx-manifest/2"
 # The sections that say what the data is, in the order they are written; given by the writer.
 DESCRIBED: Final = ("run", "capture", "tokenizer", "dataset")
 FINAL_STATES: Final = ("post-norm", "pre-norm")
+# Quarantined rows the manifest lists (the first, in dataset order): its size grows with shards, not rows. Every
+# shard's commit record lists all of its own; quarantineByReason counts them all.
+QUARANTINE_LISTED: Final = 1000
 # JSON key -> Capture attribute: the keys every reader may rely on.
 CAPTURE_KEYS: Final = {
     "engine": "engine",
@@ -111,5 +116,6 @@ def build_manifest(
             | ({"consistency": c.consistency} if c.consistency is not None else {})
             for c in commits
         ],
-        "quarantine": [q.to_json() for c in commits for q in c.quarantine],
+        "quarantineByReason": dict(sorted(Counter(q.reason for c in commits for q in c.quarantine).items())),
+        "quarantine": [q.to_json() for q in islice((q for c in commits for q in c.quarantine), QUARANTINE_LISTED)],
     }

@@ -64,7 +64,9 @@ from hsx_extractor.storage.token_counts import add_counts, count_masked
 from hsx_extractor.storage.uris import open_backend
 
 HEAD_PROBE_BYTES = 64 << 10  # first read of a shard; usually holds the whole header
-MAX_NAMED_JSON_BYTES = 1 << 30  # plan.json and manifest.json: beyond this, damage
+# plan.json and manifest.json grow with shards (~0.5 KB each; the manifest lists 1000 quarantined rows at most):
+# 256 MiB is 500k shards. Beyond it, damage; a writer refuses to store what readers would refuse.
+MAX_NAMED_JSON_BYTES = 256 << 20
 
 
 class ShardBuilder:
@@ -229,8 +231,12 @@ class Store:
     def put_json_if_absent(self, name: str, obj: dict[str, Any]) -> dict[str, Any]:
         """Create ``name`` unless it exists; return what is stored (ours or the earlier one)."""
         key = self.layout.key(validate_name(name))
-        if self.backend.put_if_absent(key, canonical_json(obj)):
-            return json.loads(canonical_json(obj))  # type: ignore[no-any-return]
+        body = canonical_json(obj)
+        if len(body) > MAX_NAMED_JSON_BYTES:
+            raise PermanentStoreError(f"{self.description}/{name} would be {len(body)} bytes, more than readers take "
+                                      f"({MAX_NAMED_JSON_BYTES}): too many shards; raise output.shardTargetBytes")  # fmt: skip
+        if self.backend.put_if_absent(key, body):
+            return json.loads(body)  # type: ignore[no-any-return]
         stored = self.get_json(name)
         if stored is None:
             raise TransientStoreError(

@@ -92,10 +92,13 @@ def describe(uri: str) -> dict[str, Any]:
         )
     reasons: Counter[str] = Counter()
     examples: dict[str, list[dict[str, Any]]] = {}
-    for entry in manifest.get("quarantine") or []:
+    for entry in manifest.get("quarantine") or []:  # the first rows (all of them before quarantineByReason)
         reasons[entry["reason"]] += 1
         if len(examples.setdefault(entry["reason"], [])) < EXAMPLES_PER_REASON:
             examples[entry["reason"]].append({k: entry.get(k) for k in ("line", "sampleId", "detail")})
+    by_reason = manifest.get("quarantineByReason")
+    if isinstance(by_reason, dict):  # every quarantined row, counted (the list holds the first only)
+        reasons = Counter({str(r): int(n) for r, n in by_reason.items()})
     shards = manifest.get("shards") or []
     norms = [s.get("layerNorms") or {} for s in shards]
     layer_ids = (manifest.get("capture") or {}).get("layerIds") or []
@@ -112,7 +115,7 @@ def describe(uri: str) -> dict[str, Any]:
         "model": {k: (manifest.get("run") or {}).get(k) for k in ("model", "architecture", "hiddenSize", "vocabSize")},
         "dataset": manifest.get("dataset"),
         "maskedTokens": (manifest.get("tokenCounts") or {}).get("total"),
-        "quarantineReasons": [{"reason": r, "count": n, "examples": examples[r]} for r, n in reasons.most_common()],
+        "quarantineReasons": [{"reason": r, "count": n, "examples": examples.get(r, [])} for r, n in reasons.most_common()],
         "layerNorms": [{"layer": str(layer), **(stats or {})} for layer, stats in zip(layer_ids, aux, strict=True)]
         + [{"layer": "final", **(_pooled([n.get("final") or {} for n in norms]) or {})}],
     }
