@@ -403,7 +403,7 @@ def test_a_local_ranged_read_past_the_end_allocates_what_exists(tmp_path: Path) 
 
 
 def test_an_oversized_stored_json_is_refused_before_it_is_read(tmp_path: Path) -> None:
-    """A manifest past MAX_NAMED_JSON_BYTES (a sparse 1 GiB file here) is refused from its size:
+    """A manifest past MAX_NAMED_JSON_BYTES (a sparse 256 MiB file here) is refused from its size:
     the bytes are never read into memory."""
     from hsx_extractor.storage import store as store_module
     from hsx_extractor.storage.backends import PermanentStoreError
@@ -416,7 +416,8 @@ def test_an_oversized_stored_json_is_refused_before_it_is_read(tmp_path: Path) -
         f.truncate(store_module.MAX_NAMED_JSON_BYTES + 1)
     tracemalloc.start()
     try:
-        with pytest.raises(PermanentStoreError, match=r"manifest.json is 1073741825 bytes, more than the 1073741824"):
+        limit = store_module.MAX_NAMED_JSON_BYTES
+        with pytest.raises(PermanentStoreError, match=rf"manifest.json is {limit + 1} bytes, more than the {limit} "):
             store.get_json("manifest.json")
         _, peak = tracemalloc.get_traced_memory()
     finally:
