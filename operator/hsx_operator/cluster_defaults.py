@@ -17,7 +17,8 @@ The Job records which fields came from the defaults (annotation ``hsx.dev/cluste
 from __future__ import annotations
 
 import json
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -120,3 +121,25 @@ def with_cluster_defaults(spec: ExtractionJobSpec, defaults: ClusterDefaults) ->
         update={"server": server, "extractor": extractor, "scheduling": scheduling, "pod": pod, "output": output}
     )
     return updated, filled
+
+
+def annotate(job: dict[str, Any], filled: list[str]) -> dict[str, Any]:
+    """The Job with the fields the defaults filled in its annotation (for whoever reads the Job)."""
+    if filled:
+        job["metadata"].setdefault("annotations", {})[ANNOTATION] = ",".join(filled)
+    return job
+
+
+def read_defaults(value: str) -> ClusterDefaults:
+    """``--cluster-defaults`` of ``hsx render``: the JSON itself, or ``@FILE`` holding it (or the chart's YAML block)."""
+    if not value.startswith("@"):
+        return ClusterDefaults.from_json(value)
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(Path(value[1:]).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"--cluster-defaults {value}: {exc}") from None
+    if isinstance(loaded, dict) and set(loaded) == {"clusterDefaults"}:  # the chart's values block as it is
+        loaded = loaded["clusterDefaults"]
+    return ClusterDefaults.from_json(json.dumps(loaded))

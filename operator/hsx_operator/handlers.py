@@ -23,8 +23,7 @@ from hsx_extractor.usage import describe_validation_error
 from hsx_operator import metrics
 from hsx_operator.api import GROUP, PLURAL, VERSION, ExtractionJobSpec
 from hsx_operator.cluster import Cluster, client_refusal, create_refusal, poll_pods
-from hsx_operator.cluster_defaults import ANNOTATION as DEFAULTS_ANNOTATION
-from hsx_operator.cluster_defaults import ClusterDefaults, with_cluster_defaults
+from hsx_operator.cluster_defaults import ClusterDefaults, annotate, with_cluster_defaults
 from hsx_operator.desired import (
     LABEL_QUEUE,
     LABEL_RUN,
@@ -232,9 +231,7 @@ def _create_run(
     """Create the run's ConfigMap and Job: (the Job, None), or (None, why not)."""
     try:
         config_map = desired_config_map(owner, xj)
-        manifest = desired_job(owner, xj, suspend=initial_suspend(xj))
-        if from_defaults:  # which fields the cluster's defaults filled, for whoever reads the Job
-            manifest["metadata"].setdefault("annotations", {})[DEFAULTS_ANNOTATION] = ",".join(from_defaults)
+        manifest = annotate(desired_job(owner, xj, suspend=initial_suspend(xj)), from_defaults)
     except ValueError as exc:  # the spec passed the CRD but cannot make a Job (launch.server_args' checks)
         return None, Refusal(Reason.INVALID_SPEC, f"{exc}; fix the spec and change runId", permanent=True)
     denied = violations(manifest["spec"]["template"]["spec"], POLICY)

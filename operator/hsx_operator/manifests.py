@@ -22,6 +22,7 @@ from hsx_extractor.config import ExtractConfig, with_overrides
 from hsx_extractor.contract import EXIT_OK
 from hsx_extractor.usage import UsageError, describe_validation_error
 from hsx_operator.api import GROUP, KIND, VERSION, ExtractionJobSpec
+from hsx_operator.cluster_defaults import ClusterDefaults, annotate, read_defaults, with_cluster_defaults
 from hsx_operator.desired import (
     Owner,
     desired_config_map,
@@ -140,11 +141,14 @@ def config_from_manifest(
     return config
 
 
-def rendered(owner: Owner, spec: ExtractionJobSpec) -> list[dict[str, Any]]:
-    """What the operator creates for this spec: the run's ConfigMap and Job (uid a placeholder).
-    A spec that cannot make a Job raises :class:`UsageError` with the operator's own reason."""
+def rendered(owner: Owner, spec: ExtractionJobSpec, defaults: ClusterDefaults | None = None) -> list[dict[str, Any]]:
+    """What the operator creates for this spec (with the cluster's ``defaults``, as the chart passes them): the
+    run's ConfigMap and Job (uid a placeholder). A spec that cannot make a Job raises :class:`UsageError` with the
+    operator's own reason."""
+    spec, filled = with_cluster_defaults(spec, defaults or ClusterDefaults())
     try:
-        return [desired_config_map(owner, spec), desired_job(owner, spec, suspend=initial_suspend(spec))]
+        job = annotate(desired_job(owner, spec, suspend=initial_suspend(spec)), filled)
+        return [desired_config_map(owner, spec), job]
     except ValueError as exc:
         raise UsageError(f"the operator would refuse this spec (InvalidSpec): {exc}") from None
 
@@ -153,7 +157,11 @@ def cmd_render(args: argparse.Namespace) -> int:
     owner, spec = read_manifest(args.filename)
     if args.namespace:
         owner = Owner(name=owner.name, namespace=args.namespace, uid=owner.uid)
-    objects = rendered(owner, spec)
+    try:
+        defaults = read_defaults(args.cluster_defaults) if args.cluster_defaults else None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    objects = rendered(owner, spec, defaults)
     # The operator's default node-access policy; an admin's --allow-host-path may permit more.
     for why in violations(objects[1]["spec"]["template"]["spec"], NodeAccessPolicy()):
         print(f"hsx render: warning: the operator's default policy refuses this Job: {why}", file=sys.stderr)
@@ -171,4 +179,9 @@ def add_commands(subparsers: Any) -> None:
     )
     p.add_argument("-f", "--filename", required=True, help="the ExtractionJob manifest (YAML)")
     p.add_argument("-n", "--namespace", help="namespace to render into (default: the manifest's, else default)")
+    p.add_argument(
+        "--cluster-defaults",
+        metavar="JSON|@FILE",
+        help="the cluster's defaults as the operator has them (the chart's clusterDefaults: JSON, or @values.yaml)",
+    )
     p.set_defaults(func=cmd_render)

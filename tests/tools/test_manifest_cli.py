@@ -95,6 +95,21 @@ def test_render_warns_what_the_default_policy_refuses(tmp_path: Path, capsys: py
     assert all(d["metadata"]["namespace"] == "other" for d in yaml.safe_load_all(out))
 
 
+def test_render_applies_the_clusters_defaults_as_the_operator_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    values = tmp_path / "values.yaml"  # the chart's block as an admin writes it
+    values.write_text("clusterDefaults:\n  imagePullSecrets: [mirror-pull]\n  imageRegistry: registry.example.com/hsx\n")
+    example = next(e for e in EXAMPLES if e.name == "minimal.yaml")
+    code, out, err = run_hsx(["render", "-f", str(example), "--cluster-defaults", f"@{values}"], capsys)
+    assert code == EXIT_OK, err
+    _, job = yaml.safe_load_all(out)
+    assert job["metadata"]["annotations"]["hsx.dev/cluster-defaults"] == "server.image,extractor.image,pod.imagePullSecrets"
+    pod = job["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "mirror-pull"}]
+    assert all(c["image"].startswith("registry.example.com/hsx/") for c in [*pod["containers"], *pod["initContainers"]])
+    code, _, err = run_hsx(["render", "-f", str(example), "--cluster-defaults", '{"imagePullSecret": []}'], capsys)
+    assert code != EXIT_OK and "clusterDefaults.imagePullSecret" in err
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_preflight_reads_each_example_manifest(
     example: Path, tmp_path: Path, tiny_model: Path, capsys: pytest.CaptureFixture[str]
