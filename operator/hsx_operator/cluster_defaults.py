@@ -17,14 +17,17 @@ The Job records which fields came from the defaults (annotation ``hsx.dev/cluste
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from hsx_extractor.config import check_endpoint
 from hsx_extractor.usage import describe_validation_error
 from hsx_operator.api import DEFAULT_EXTRACTOR_IMAGE, DEFAULT_SERVER_IMAGES, ExtractionJobSpec
 from hsx_operator.placement import Toleration
+from hsx_operator.pod_settings import DNS_SUBDOMAIN_PATTERN
 
 ANNOTATION = "hsx.dev/cluster-defaults"
 
@@ -37,6 +40,8 @@ class S3Store(_Defaults):
     endpoint: str = Field(min_length=1, description="S3 endpoint URL (an on-prem or non-AWS store).")
     region: str | None = Field(default=None, description="S3 region.")
     pathStyle: bool = Field(default=False, description="Path-style addressing (most on-prem stores).")
+
+    _endpoint = field_validator("endpoint")(check_endpoint)
 
 
 class ClusterDefaults(_Defaults):
@@ -61,6 +66,21 @@ class ClusterDefaults(_Defaults):
         default=None, description="A ConfigMap of CAs for HTTPS to S3 (in each job's namespace) where spec.pod names none."
     )
     caBundleKey: str = Field(default="ca.crt", description="The key of caBundleConfigMap holding the bundle.")
+
+    @field_validator("imagePullSecrets")
+    @classmethod
+    def _secret_names(cls, value: list[str]) -> list[str]:
+        bad = [n for n in value if not re.fullmatch(DNS_SUBDOMAIN_PATTERN, n)]
+        if bad:
+            raise ValueError(f"not Secret names: {bad}")
+        return value
+
+    @field_validator("priorityClassName", "queueName", "caBundleConfigMap")
+    @classmethod
+    def _object_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(DNS_SUBDOMAIN_PATTERN, value):
+            raise ValueError(f"{value!r} is not a Kubernetes object name")
+        return value
 
     @classmethod
     def from_json(cls, text: str) -> ClusterDefaults:
@@ -112,7 +132,8 @@ def with_cluster_defaults(spec: ExtractionJobSpec, defaults: ClusterDefaults) ->
         if "caBundleConfigMap" in pods:
             pods["caBundleKey"] = defaults.caBundleKey
         pod = pod.model_copy(update=pods)
-    if defaults.s3 is not None and output.uri.startswith("s3://") and output.endpoint is None:
+    # The admin's store only for outputs that name none of it: a region alone means AWS.
+    if defaults.s3 is not None and output.uri.startswith("s3://") and output.endpoint is None and output.region is None:
         output = output.model_copy(update=defaults.s3.model_dump())
         filled.append("output.endpoint")
     if not filled:
@@ -120,7 +141,8 @@ def with_cluster_defaults(spec: ExtractionJobSpec, defaults: ClusterDefaults) ->
     updated = spec.model_copy(
         update={"server": server, "extractor": extractor, "scheduling": scheduling, "pod": pod, "output": output}
     )
-    return updated, filled
+    # Validated as a whole, as the spec's own fields were (model_copy checks nothing).
+    return ExtractionJobSpec.model_validate(updated.model_dump(exclude_unset=False)), filled
 
 
 def annotate(job: dict[str, Any], filled: list[str]) -> dict[str, Any]:
@@ -140,6 +162,6 @@ def read_defaults(value: str) -> ClusterDefaults:
         loaded = yaml.safe_load(Path(value[1:]).read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise ValueError(f"--cluster-defaults {value}: {exc}") from None
-    if isinstance(loaded, dict) and set(loaded) == {"clusterDefaults"}:  # the chart's values block as it is
-        loaded = loaded["clusterDefaults"]
+    if isinstance(loaded, dict) and "clusterDefaults" in loaded:  # the chart's values file: its block
+        loaded = loaded["clusterDefaults"] or {}
     return ClusterDefaults.from_json(json.dumps(loaded))

@@ -470,6 +470,7 @@ def _apply_pod_settings(pod: PodSettings, pod_spec: dict[str, Any], extractors: 
         clash = next((t for t in taken if _overlaps(extra.mountPath, t)), None)
         if clash is not None:
             raise ValueError(f"pod.volumes[{i}].mountPath {extra.mountPath} overlaps {clash}, where hsx mounts its own")
+        taken.append(extra.mountPath)  # nor over one another
         pod_spec["volumes"].append({"name": f"user-{extra.name}", **extra.source()})
         mount = {"name": f"user-{extra.name}", "mountPath": extra.mountPath, "readOnly": extra.readOnly}
         for container in extractors:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from hsx_extractor.contract import DATASET_CREDENTIALS_ENV
 from hsx_operator.cel import cel
@@ -71,6 +71,12 @@ class ExtraVolume(_Spec):
                                pattern=DNS_SUBDOMAIN_PATTERN)  # fmt: skip
     persistentVolumeClaim: str | None = Field(default=None, description="A PersistentVolumeClaim of the job's "
                                               "namespace.", max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)  # fmt: skip
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ExtraVolume:  # the CRD's CEL rule, for hsx render and preflight too
+        if sum(x is not None for x in (self.configMap, self.secret, self.persistentVolumeClaim)) != 1:
+            raise ValueError("pod.volumes[] needs exactly one of configMap, secret or persistentVolumeClaim")
+        return self
 
     def source(self) -> dict[str, Any]:
         """The Pod API's volume source."""

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from hsx_operator.api import DEFAULT_EXTRACTOR_IMAGE, DEFAULT_SERVER_IMAGES
-from hsx_operator.cluster_defaults import ClusterDefaults, S3Store, with_cluster_defaults
+from hsx_operator.cluster_defaults import ClusterDefaults, S3Store, read_defaults, with_cluster_defaults
 from hsx_operator.desired import Owner, desired_config_map, desired_job, initial_suspend, with_queue_label
 from hsx_operator.policy import NodeAccessPolicy, violations
 from tests.operator.helpers import make_spec
@@ -103,6 +103,18 @@ def test_the_policy_checks_the_defaults_as_rendered() -> None:
     policy = NodeAccessPolicy.of(["/srv/models"], image_prefixes=["ghcr.io/hsx-dev/"])
     (why,) = violations(pod(spec), policy)
     assert "docker.io/someone/extractor:1" in why and "policy.allowedImagePrefixes" in why
+
+
+def test_a_region_alone_keeps_aws_and_defaults_are_checked_like_the_spec(tmp_path: Path) -> None:
+    aws, filled = with_cluster_defaults(make_spec(output={"uri": "s3://bucket/runs", "region": "us-west-2"}), ADMIN)
+    assert aws.output.endpoint is None and aws.output.region == "us-west-2" and "output.endpoint" not in filled
+    for bad, field in (('{"s3": {"endpoint": "minio:9000"}}', "s3.endpoint"), ('{"imagePullSecrets": ["A B"]}', "imagePullSecrets"),
+                       ('{"caBundleConfigMap": "Bad_Name"}', "caBundleConfigMap")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"clusterDefaults\.{field}"):
+            ClusterDefaults.from_json(bad)
+    values = tmp_path / "values.yaml"  # the chart's whole values file: its clusterDefaults block is read
+    values.write_text("replicaCount: 1\nclusterDefaults:\n  queueName: team\n")
+    assert read_defaults(f"@{values}") == ClusterDefaults(queueName="team")
 
 
 def test_bad_defaults_stop_the_operator_with_the_field_named() -> None:

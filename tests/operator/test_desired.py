@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.contract import EXIT_PERMANENT
@@ -335,6 +336,12 @@ def test_extra_volumes_reach_the_extractor_and_preflight_only_and_never_over_hsx
         assert mounts["user-data"]["readOnly"] is False
     assert not [m for c in by_name.values() if c["name"] not in ("extractor", "preflight") for m in c["volumeMounts"]
                 if m["name"].startswith("user-")]  # fmt: skip
+    with pytest.raises(ValueError, match=r"pod.volumes\[1\].mountPath /opt/tokenizer overlaps /opt/tokenizer"):
+        desired_job(Owner(name="xj", namespace="ml", uid="u"), make_spec(pod={"volumes": [volumes[0], {**volumes[1],
+                    "mountPath": "/opt/tokenizer"}]}))  # fmt: skip
+    for sources in ({}, {"configMap": "a", "secret": "b"}):  # the CRD's rule, for hsx render and preflight too
+        with pytest.raises(ValidationError, match="exactly one of configMap, secret or persistentVolumeClaim"):
+            make_spec(pod={"volumes": [{"name": "x", "mountPath": "/x", **sources}]})
     scratch = next(m["mountPath"] for m in by_name["extractor"]["volumeMounts"] if m["name"] == "scratch")
     for path in (scratch, scratch + "/mine", "/"):
         with pytest.raises(ValueError, match=r"pod.volumes\[0\].mountPath .* overlaps"):

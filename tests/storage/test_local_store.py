@@ -378,14 +378,27 @@ def test_the_manifest_lists_the_first_quarantined_rows_and_counts_all(tmp_path: 
     monkeypatch.setattr(manifest_module, "QUARANTINE_LISTED", 7)  # the real cap is 1000: the same code path
     store = _store(tmp_path)
     quarantined = frozenset(range(2, 40, 2))  # 19 rows in 4 shards
-    write_run(store, plan_for(40, 4), quarantine=quarantined)
+    commits = write_run(store, plan_for(40, 4), quarantine=quarantined)
     manifest = finalize_run(store, {"model": "tiny"})
     assert manifest["quarantined"] == 19 and manifest["quarantineByReason"] == {"too_long": 19}
     assert [q["index"] for q in manifest["quarantine"]] == sorted(quarantined)[:7]
+    from hsx_extractor.tools import verify as verify_module
     from hsx_extractor.tools.runs import describe
 
     shown = describe(str(tmp_path / "run-1"))
     assert shown["quarantineReasons"][0]["count"] == 19 and shown["quarantineReasons"][0]["examples"]
+    monkeypatch.setattr(verify_module, "QUARANTINE_LISTED", 7)
+    assert run_verify(str(tmp_path / "run-1")).ok
+    # A manifest written before quarantineByReason lists every row: still verified; a wrong count is not.
+    path = tmp_path / "run-1" / "manifest.json"
+    older = {k: v for k, v in manifest.items() if k != "quarantineByReason"}
+    older["quarantine"] = [q.to_json() for c in commits for q in c.quarantine]
+    assert len(older["quarantine"]) == 19
+    path.write_text(json.dumps(older))
+    assert run_verify(str(tmp_path / "run-1")).ok
+    path.write_text(json.dumps({**manifest, "quarantineByReason": {"too_long": 18}}))
+    report = run_verify(str(tmp_path / "run-1"))
+    assert not report.ok and "quarantineByReason" in report.summary_text()
 
 
 def test_a_writer_refuses_json_readers_would_refuse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -134,3 +134,16 @@ def test_speculators_cli_trains_in_place(prenorm_run: dict[str, Any], trainers_p
     metrics = json.loads((saved / "0" / "val_metrics.json").read_text())
     assert math.isfinite(metrics["loss_epoch"]) and metrics["loss_epoch"] > 0, metrics
     assert (saved / "0" / "model.safetensors").stat().st_size > 0
+
+
+def test_an_in_place_export_of_a_relative_path_opens_from_anywhere(
+    prenorm_run: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Model-Optimizer's launcher runs from its own checkout: the record names the run absolutely.
+    run = Path(prenorm_run["uri"])
+    monkeypatch.chdir(run.parent.parent)  # hsx refuses '..' in a local path: a plain relative one
+    dest = tmp_path / "dest"
+    assert hsx(["export", "--to", "speculators", "--in-place", f"{run.parent.name}/{run.name}", str(dest)]) == 0
+    assert json.loads((dest / EXPORT_RECORD).read_text())["source"] == str(run.resolve())
+    monkeypatch.chdir("/")
+    assert len(open_in_place(dest, "speculators")) == 5

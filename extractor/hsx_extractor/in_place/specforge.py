@@ -11,6 +11,7 @@ over several processes starts each one through ``python -m hsx_extractor.in_plac
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -24,10 +25,21 @@ _lock = threading.Lock()
 
 
 def _view(dest: str) -> TrainerView:
-    with _lock:
-        if dest not in _views:
-            _views[dest] = open_in_place(dest, "specforge")
-        return _views[dest]
+    view = _views.get(dest)  # opened once per process; the lock only for the first open
+    if view is None:
+        with _lock:
+            if dest not in _views:
+                _views[dest] = open_in_place(dest, "specforge")
+            view = _views[dest]
+    return view
+
+
+def _after_fork() -> None:  # a forked worker starts with no lock held by a thread it does not have
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def feature_files(path: str) -> list[str]:

@@ -83,7 +83,7 @@ def summary_lines(
     manifest: dict[str, Any], tokens: int, seconds: float, out: str, verified: str
 ) -> list[str]:
     """The readable summary (pure, so it is tested)."""
-    reasons = Counter(q["reason"] for q in manifest.get("quarantine", []))
+    reasons = Counter(manifest.get("quarantineByReason") or [q["reason"] for q in manifest.get("quarantine", [])])
     comp = manifest.get("compression", {})
     lines = [
         "hsx demo: done",

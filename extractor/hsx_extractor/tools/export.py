@@ -388,7 +388,7 @@ def export(
     record = {
         "format": "hsx-export/1",
         "trainer": trainer,
-        "source": uri,
+        "source": uri if uri.startswith("s3://") else str(Path(uri.removeprefix("file://")).resolve()),
         "inPlace": in_place,
         "runId": reader.run_id,
         "samples": len(view),

@@ -163,7 +163,8 @@ def launch(
         return Launch(
             {MODELOPT_OVERRIDES: "\n".join(overrides) + "\n"},
             # Run from a checkout of Model-Optimizer (its launcher imports its neighbours; it is not in the wheel).
-            f"python examples/speculative_decoding/main.py --config {MODELOPT_RECIPE} $(cat {shlex.quote(str(path))})",
+            f"python examples/speculative_decoding/main.py --config {MODELOPT_RECIPE} $(cat {shlex.quote(str(path))})"
+            + (" (with its dataset line changed to hsx's OfflineDataset: docs/training.md)" if in_place else ""),
             notes,
         )
     raise LaunchError(f"no launch files for trainer {trainer!r}")
