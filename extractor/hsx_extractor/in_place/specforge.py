@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from hsx_extractor.tools.export import TrainerView, open_in_place
+from hsx_extractor.tools.export import TrainerView, open_in_place, specforge_features
 from hsx_extractor.tools.trainer_launch import IN_PLACE_PREFIX
 
 _views: dict[str, TrainerView] = {}
@@ -51,13 +51,7 @@ def feature_files(path: str) -> list[str]:
 def load(name: str) -> dict[str, Any]:
     """The sample ``hsx:DEST#position`` as SpecForge's feature file holds it."""
     dest, _, position = name[len(IN_PLACE_PREFIX) :].rpartition("#")
-    s = _view(dest).sample(int(position))
-    return {
-        "input_ids": s.input_ids,
-        "loss_mask": s.loss_mask,
-        "hidden_state": s.final.unsqueeze(0),
-        "aux_hidden_state": s.aux.unsqueeze(0),
-    }
+    return specforge_features(_view(dest).sample(int(position)))
 
 
 def _routed(ours: Callable[[str], Any], theirs: Callable[[str], Any]) -> Callable[[str], Any]:

@@ -68,6 +68,16 @@ def _save_torch(obj: dict[str, Any], path: Path) -> None:
     os.replace(tmp, path)  # a trainer listing the folder never sees half a file
 
 
+def specforge_features(s: Sample) -> dict[str, torch.Tensor]:
+    """A sample as SpecForge's offline feature file holds it (the keys its ``OfflineManifestReader`` loads)."""
+    return {
+        "input_ids": s.input_ids,
+        "loss_mask": s.loss_mask,
+        "hidden_state": s.final.unsqueeze(0),
+        "aux_hidden_state": s.aux.unsqueeze(0),
+    }
+
+
 def speculators_states(s: Sample, num_aux: int, hidden_size: int) -> dict[str, torch.Tensor]:
     """A sample as speculators' hidden-states file holds it: ``token_ids`` [T] and ``hidden_states``
     [T, K+1, H], the K aux layers then the final state."""
@@ -90,15 +100,7 @@ class SpecForgeWriter:
     def add(self, s: Sample) -> None:
         group = s.index // SPECFORGE_GROUP * SPECFORGE_GROUP
         path = self.dest / f"rows_{group}-{group + SPECFORGE_GROUP}" / f"data_{s.index}.ckpt"
-        _save_torch(
-            {
-                "input_ids": s.input_ids,
-                "loss_mask": s.loss_mask,
-                "hidden_state": s.final.unsqueeze(0),
-                "aux_hidden_state": s.aux.unsqueeze(0),
-            },
-            path,
-        )
+        _save_torch(specforge_features(s), path)
 
     def close(self) -> dict[str, Any]:
         return {}
@@ -299,6 +301,7 @@ class TrainerView:
         verify_checksums: bool = True,
     ):
         from hsx_extractor.reader import HiddenStatesDataset  # torch: not for `hsx --help`
+        from hsx_extractor.storage.shard_format import AUX, FINAL
 
         if trainer not in WRITERS:
             raise ExportError(f"unknown trainer {trainer!r}: one of {TRAINERS}")
@@ -310,9 +313,11 @@ class TrainerView:
             raise ExportError(str(exc)) from None
         if len(self.data) == 0:
             raise ExportError(f"{uri} holds no samples")
-        first = self.data[0]
-        self.hidden_size = int(first["hidden_state"].shape[-1])
-        aux_width = int(first["aux_hidden_state"].shape[-1])
+        # The widths from the first shard's checked header: no sample is read to learn them.
+        shard, _, within = self.data.reader.locate(0)
+        first = self.data.reader.header(shard).samples[within]
+        self.hidden_size = int(first.tensor(FINAL).shape[-1])
+        aux_width = int(first.tensor(AUX).shape[-1])
         if aux_width % self.hidden_size:
             raise ExportError(f"aux width {aux_width} is not a multiple of the hidden size {self.hidden_size}")
         self.num_aux = aux_width // self.hidden_size
@@ -380,11 +385,13 @@ def export(
         writer = SpeculatorsWriter(root, view.hidden_size, view.num_aux, states=False)
     else:
         writer = None  # the trainer lists samples through the in-place loader: nothing per sample
-    for position in range(len(view) if writer is not None else 0):
-        writer.add(view.sample(position))
-        if (position + 1) % 1000 == 0:
-            log(f"hsx export: {position + 1}/{len(view)} samples")
-    extra = writer.close() if writer is not None else {}
+    extra: dict[str, Any] = {}
+    if writer is not None:
+        for position in range(len(view)):
+            writer.add(view.sample(position))
+            if (position + 1) % 1000 == 0:
+                log(f"hsx export: {position + 1}/{len(view)} samples")
+        extra = writer.close()
     record = {
         "format": "hsx-export/1",
         "trainer": trainer,
