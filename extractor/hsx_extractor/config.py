@@ -301,6 +301,58 @@ class ValidationSpec(_Spec):
     )
 
 
+class GenerationSpec(_Spec):
+    """How the target regenerates the responses (``responses: regenerate``); docs/training.md."""
+
+    turns: Literal["last", "each"] = Field(
+        "last",
+        description="last: only the final assistant turn is regenerated (a row ending in a user or tool turn gets a "
+        "new assistant turn); each: every assistant turn, in order, each from the conversation regenerated so far. "
+        "Assistant turns that call tools are kept as the dataset has them.",
+    )
+    maxNewTokens: int = Field(
+        2048, ge=1, le=1 << 20, description="Most tokens generated per turn (less where dataset.maxLength leaves less)."
+    )
+    temperature: float = Field(0.0, ge=0, le=100, description="Sampling temperature; 0 is greedy.")
+    topP: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens with this mass.")
+    seed: int | None = Field(
+        None,
+        ge=0,
+        le=(1 << 62),
+        description="Row i samples with seed + i, so a row's generation does not depend on what it was batched "
+        "with. vLLM honours it; SGLang only when started with --enable-deterministic-inference (server.extraArgs).",
+    )
+    stop: list[str] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Strings that end a turn besides the model's end-of-turn tokens; the stop string stays in the "
+        "regenerated text, so it re-renders to the generated ids.",
+    )
+    onTruncated: Literal["quarantine", "keep"] = Field(
+        "quarantine",
+        description="A turn that reached maxNewTokens without stopping: quarantine the row as truncated_generation, "
+        "or keep it (its turn ends where the tokens ran out, closed by the template).",
+    )
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_short(cls, v: list[str]) -> list[str]:
+        if any(not s or len(s) > 256 for s in v):
+            raise ValueError("each stop string must be 1 to 256 characters")
+        return v
+
+
+# What a regenerating run refuses, in one place for the extractor (and, as CEL, the CRD).
+def regenerate_problem(responses: str, dataset: DatasetSpec) -> str | None:
+    if responses != "regenerate":
+        return None
+    if dataset.format == "tokens":
+        return "responses: regenerate needs conversations: dataset.format tokens has no turns to regenerate"
+    if dataset.expandTurns:
+        return "responses: regenerate does not combine with dataset.expandTurns yet; regenerate first, then expand"
+    return None
+
+
 class ExtractConfig(_Spec):
     """Everything ``hsx extract`` needs. The operator writes this file for each pod."""
 
@@ -310,6 +362,13 @@ class ExtractConfig(_Spec):
     dataset: DatasetSpec
     output: OutputSpec
     validation: ValidationSpec = Field(default_factory=ValidationSpec)  # type: ignore[arg-type]
+    responses: Literal["dataset", "regenerate"] = Field(
+        "dataset",
+        description="dataset: capture the responses the dataset holds. regenerate: the server first generates each "
+        "row's assistant turns from its prompt (generation), stored under the run, then captures prompt + generated "
+        "response (on-policy data for the drafter).",
+    )
+    generation: GenerationSpec = Field(default_factory=GenerationSpec)  # type: ignore[arg-type]
     concurrency: int = Field(32, ge=1, le=1024, description="Requests in flight at the server.")
     serverUrl: str = Field("http://127.0.0.1:30000", description="Base URL of the extraction server.")
     serverStartTimeoutSeconds: float = Field(
@@ -379,8 +438,8 @@ class ExtractConfig(_Spec):
         return v
 
     @model_validator(mode="after")
-    def _engine_dumps_final_state(self) -> ExtractConfig:
-        problem = final_state_problem(self.engine, self.finalState)
+    def _settings_combine(self) -> ExtractConfig:
+        problem = final_state_problem(self.engine, self.finalState) or regenerate_problem(self.responses, self.dataset)
         if problem:
             raise ValueError(problem)
         return self

@@ -73,6 +73,10 @@ class ProgressReport(BaseModel):
     # The consistency check (validation.consistency): requests checked and how many disagreed.
     consistencyChecked: int = 0
     consistencyFailed: int = 0
+    # responses: regenerate: rows this process generated; its decode and prefill pace for them (tokens/s).
+    samplesGenerated: int = 0
+    generationDecodeTokensPerSecond: float = 0.0
+    generationPrefillTokensPerSecond: float = 0.0
 
     def termination_message(self, limit: int = TERMINATION_MESSAGE_LIMIT) -> str:
         """Compact JSON within ``limit`` bytes: per-reason counts and a long error are cut first."""
@@ -96,7 +100,8 @@ PROGRESS_COUNTERS = (
     "shardsCommitted",
     "shardsTotal",
 )
-PROGRESS_RATES = ("samplesPerSecond", "tokensPerSecond")
+PROGRESS_RATES = ("samplesPerSecond", "tokensPerSecond", "generationDecodeTokensPerSecond",
+                  "generationPrefillTokensPerSecond")
 # Flags a progress report carries beside its counters.
 PROGRESS_FLAGS = ("planning",)
 # What a replica holds now, summed over the replicas still running.

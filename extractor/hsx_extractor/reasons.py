@@ -44,6 +44,14 @@ class Reason(StrEnum):
     NON_FINITE = "non_finite"
     NO_DUMP = "no_dump"
     SERVER_ERROR = "server_error"
+    # responses: regenerate (run/regenerate.py): what the target generated cannot be the sample.
+    # A turn reached generation.maxNewTokens without stopping (generation.onTruncated: quarantine).
+    TRUNCATED_GENERATION = "truncated_generation"
+    # A turn generated nothing but its end-of-turn token (or only whitespace).
+    EMPTY_GENERATION = "empty_generation"
+    # The conversation with the generated text re-rendered by the chat template does not hold the
+    # generated ids where the generation prompt ends (non-canonical tokens, a template that rewrites turns).
+    GENERATION_NOT_RERENDERABLE = "generation_not_rerenderable"
 
 
 # What the server did wrong; every other reason is the dataset's (validation.maxRejectedRowRate).
@@ -52,6 +60,12 @@ SERVER_REASONS = frozenset(
 )
 
 
+# What the target generated (responses: regenerate): neither the dataset's fault nor the server's.
+GENERATION_REASONS = frozenset(
+    {Reason.TRUNCATED_GENERATION, Reason.EMPTY_GENERATION, Reason.GENERATION_NOT_RERENDERABLE}
+)
+
+
 def is_dataset_reason(reason: str) -> bool:
-    return reason not in SERVER_REASONS
+    return reason not in SERVER_REASONS and reason not in GENERATION_REASONS
 

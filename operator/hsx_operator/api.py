@@ -12,7 +12,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from hsx_extractor.config import RUN_ID_PATTERN, DatasetSpec, ExtractConfig, OutputSpec, ValidationSpec
+from hsx_extractor.config import (
+    RUN_ID_PATTERN,
+    DatasetSpec,
+    ExtractConfig,
+    GenerationSpec,
+    OutputSpec,
+    ValidationSpec,
+)
 from hsx_extractor.sglang_hook.launch import OWNED_FLAGS
 from hsx_extractor.vllm_hook.launch import OWNED_FLAGS as VLLM_OWNED_FLAGS
 from hsx_operator.cel import cel, location_rules
@@ -61,30 +68,23 @@ class _Spec(BaseModel):
 class PVCSource(_Spec):
     """A PersistentVolumeClaim holding the model weights."""
 
-    claimName: str = Field(
-        description="Name of the PersistentVolumeClaim in the job's namespace.", min_length=1, max_length=253
-    )
-    subPath: str | None = Field(
-        default=None, description="Directory inside the volume to mount instead of its root.", max_length=_STR
-    )
+    claimName: str = Field(description="Name of the PersistentVolumeClaim in the job's namespace.", min_length=1,
+                           max_length=253)  # fmt: skip
+    subPath: str | None = Field(default=None, description="Directory inside the volume to mount instead of its root.",
+                                max_length=_STR)  # fmt: skip
 
 
 class HostPathSource(_Spec):
     """A directory on the node holding the model weights (single-node clusters, pre-staged nodes)."""
 
-    path: str = Field(
-        description="Absolute directory on the node.", pattern=ABS_PATH_PATTERN, max_length=_STR
-    )
+    path: str = Field(description="Absolute directory on the node.", pattern=ABS_PATH_PATTERN, max_length=_STR)
 
 
 class ImageSource(_Spec):
     """An OCI image holding the model weights, mounted as an image volume (read-only)."""
 
-    reference: str = Field(
-        description="Image reference, for example registry.example.com/models/llama:3.1-8b.",
-        min_length=1,
-        max_length=_STR,
-    )
+    reference: str = Field(description="Image reference, for example registry.example.com/models/llama:3.1-8b.",
+                           min_length=1, max_length=_STR)  # fmt: skip
     pullPolicy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="When the node pulls the image: Always, IfNotPresent or Never."
     )
@@ -233,27 +233,18 @@ class ServerSpec(_Spec):
     imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="When the node pulls the server image."
     )
-    gpus: int = Field(
-        default=8, ge=1, le=16, description="nvidia.com/gpu limit of the server container (one pod)."
-    )
-    tensorParallel: int | None = Field(
-        default=None,
-        ge=1,
-        le=16,
-        description="Tensor-parallel size (--tp). Defaults to gpus; gpus/tensorParallel is the data-parallel size.",
-    )
-    port: int = Field(
-        default=30000, ge=1024, le=65535, description="Port the server listens on inside the pod."
-    )
+    gpus: int = Field(default=8, ge=1, le=16, description="nvidia.com/gpu limit of the server container (one pod).")
+    tensorParallel: int | None = Field(default=None, ge=1, le=16, description="Tensor-parallel size (--tp). "
+                                       "Defaults to gpus; gpus/tensorParallel is the data-parallel size.")  # fmt: skip
+    port: int = Field(default=30000, ge=1024, le=65535, description="Port the server listens on inside the pod.")
     extraArgs: list[str] = Field(
         default_factory=list,
         description="Extra arguments appended to the server's command line (for example --mem-fraction-static 0.8).",
         max_length=_LIST,
         json_schema_extra={"items": {"type": "string", "maxLength": 1024}},
     )
-    env: list[EnvVar] = Field(
-        default_factory=list, description="Extra environment of the server container.", max_length=_LIST
-    )
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment of the server container.",
+                              max_length=_LIST)  # fmt: skip
     startupTimeoutSeconds: int = Field(
         default=1800,
         ge=10,
@@ -368,9 +359,11 @@ class ExtractionJobSpec(_Spec):
                 ),
                 *location_rules("dataset"),
                 *location_rules("output"),
+                cel("self.runId != 'manifest'", "runId 'manifest' is reserved"),
                 cel(
-                    "self.runId != 'manifest'",
-                    "runId 'manifest' is reserved",
+                    "!has(self.responses) || self.responses != 'regenerate' || ((!has(self.dataset.format) || "
+                    "self.dataset.format != 'tokens') && (!has(self.dataset.expandTurns) || !self.dataset.expandTurns))",
+                    "responses: regenerate needs conversations (not dataset.format tokens) and no dataset.expandTurns",
                 ),
                 cel(
                     "!has(self.continueFrom) || self.continueFrom != self.runId",
@@ -437,9 +430,14 @@ class ExtractionJobSpec(_Spec):
         description="How strictly dumps are checked against what was sent.",
         json_schema_extra={"default": {}},
     )
-    concurrency: int = Field(
-        default=_EXTRACT_DEFAULTS["concurrency"].default, ge=1, le=1024, description="Requests in flight at each pod's server."
+    responses: Literal["dataset", "regenerate"] = Field(
+        default=_EXTRACT_DEFAULTS["responses"].default, description=_EXTRACT_DEFAULTS["responses"].description
     )
+    generation: GenerationSpec = Field(default_factory=GenerationSpec,  # type: ignore[arg-type]
+                                       description="How the target regenerates the responses (responses: regenerate).",
+                                       json_schema_extra={"default": {}})  # fmt: skip
+    concurrency: int = Field(default=_EXTRACT_DEFAULTS["concurrency"].default, ge=1, le=1024,
+                             description="Requests in flight at each pod's server.")  # fmt: skip
     parallelism: int = Field(
         default=1,
         ge=1,

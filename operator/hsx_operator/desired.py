@@ -134,6 +134,8 @@ def extract_config(spec: ExtractionJobSpec) -> ExtractConfig:
         dataset=dataset,
         output=spec.output,
         validation=spec.validation,
+        responses=spec.responses,
+        generation=spec.generation,
         concurrency=spec.concurrency,
         serverUrl=f"http://127.0.0.1:{spec.server.port}",
         # As long as the server's startup probe lets it load (a big model takes more than 10 minutes).

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from hsx_extractor.contract import PROGRESS_RATES
 from hsx_operator.api import ExtractionJobSpec
 from hsx_operator.conditions import conditions_for, parse_time, rfc3339
 from hsx_operator.desired import LABEL_QUEUE, PREFLIGHT_CONTAINER, job_name, manifest_uri, output_prefix
@@ -325,7 +326,7 @@ def _with_job(
     return _Seen()
 
 
-_NO_PACE: dict[str, Any] = {"samplesPerSecond": 0.0, "tokensPerSecond": 0.0, "etaSeconds": None}
+_NO_PACE: dict[str, Any] = {**dict.fromkeys(PROGRESS_RATES, 0.0), "etaSeconds": None}
 
 
 def _merge_reports(

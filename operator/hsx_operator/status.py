@@ -114,6 +114,12 @@ class Progress(_Status):
     tokensDone: int = Field(default=0, description="Tokens of the samples written.")
     samplesPerSecond: float = Field(default=0.0, description="Current sample rate.")
     tokensPerSecond: float = Field(default=0.0, description="Current token rate.")
+    generationDecodeTokensPerSecond: float = Field(
+        default=0.0, description="responses: regenerate: tokens generated per second (decode), summed over the pods."
+    )
+    generationPrefillTokensPerSecond: float = Field(
+        default=0.0, description="responses: regenerate: prompt tokens prefilled per second to generate."
+    )
     etaSeconds: float | None = Field(
         default=None, description="Estimated seconds until the run is done (the slowest pod)."
     )
@@ -162,6 +168,8 @@ class ReplicaStatus(_Status):
     tokensDone: int = Field(default=0, description="Tokens this replica has done.")
     samplesPerSecond: float = Field(default=0.0, description="This replica's sample rate.")
     tokensPerSecond: float = Field(default=0.0, description="This replica's token rate.")
+    generationDecodeTokensPerSecond: float = Field(default=0.0, description="This replica's generation decode rate.")
+    generationPrefillTokensPerSecond: float = Field(default=0.0, description="This replica's generation prefill rate.")
     etaSeconds: float | None = Field(default=None, description="The run's ETA at this replica's pace alone.")
     bytesCommitted: int = Field(default=0, description="Bytes of the run committed, as this replica has seen them.")
     shardsCommitted: int = Field(default=0, description="Shards of the run committed, as this replica has seen them.")

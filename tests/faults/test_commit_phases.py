@@ -74,7 +74,7 @@ def test_a_kill_at_every_commit_step_resumes_to_the_undisturbed_output(
         want_keys = shard_keys(output, "undisturbed")
         want, _ = stored(output, "undisturbed")
         assert len(want_keys) >= 2 and len(want) == ROWS, want_keys
-        for point in failpoints.POINTS:
+        for point in failpoints.COMMIT_POINTS:
             run_id = f"kill-{point}"
             code, log = extract(run_id, f"{point}#1")
             assert code == -9 and f"killed at {point} #1" in log, (point, code, log[-3000:])

@@ -378,7 +378,7 @@ def _check_bos(ids: np.ndarray, bos: int | None, rendered: bool) -> str | None:
     return None
 
 
-def _finish(row: MessagesRow | TokensRow, index: int, sample_id: str, sample: Sample | RowRefused,
+def finish_sample(row: MessagesRow | TokensRow, index: int, sample_id: str, sample: Sample | RowRefused,
             tokenizer: Renderer, max_length: int) -> Prepared | Rejected:
     if isinstance(sample, RowRefused):
         return Rejected(index, sample_id, sample.reason, sample.detail, row.line)
@@ -410,15 +410,15 @@ def prepare_samples(
             detail = f"{int(outside.sum())} ids outside [0, {vocab}), first {first}"
             return [Rejected(row.index, row.sample_id, Reason.IDS_OUT_OF_VOCAB, detail, row.line)]
         sample = (ids.astype(np.int32), np.asarray(row.loss_mask, dtype=np.uint8))
-        return [_finish(row, row.index, row.sample_id, sample, tokenizer, max_length)]
+        return [finish_sample(row, row.index, row.sample_id, sample, tokenizer, max_length)]
     if row.assistant_turns == 0:
         detail = "the conversation has no assistant turn"
         return [Rejected(row.index, row.sample_id, Reason.NO_ASSISTANT_TOKENS, detail, row.line)]
     samples = tokenizer.chat_samples(row.messages, row.tools, expand)
     if not expand:
-        return [_finish(row, row.index, row.sample_id, samples[0], tokenizer, max_length)]
+        return [finish_sample(row, row.index, row.sample_id, samples[0], tokenizer, max_length)]
     return [
-        _finish(row, row.index + k, f"{row.sample_id}/turn{k + 1}", sample, tokenizer, max_length)
+        finish_sample(row, row.index + k, f"{row.sample_id}/turn{k + 1}", sample, tokenizer, max_length)
         for k, sample in enumerate(samples)
     ]
 
@@ -436,11 +436,14 @@ def read_samples(
     limit: int | None = None,
     expand: bool = False,
     wanted: Callable[[int], bool] | None = None,
+    prepare: Callable[[MessagesRow | TokensRow, Renderer, int, bool], list[Prepared | Rejected]] | None = None,
 ) -> Iterator[Prepared | Rejected]:
     """Every sample of the dataset, prepared or rejected, in index order (no duplicate check: see plan).
 
     ``limit`` counts rows; ``wanted`` (an index predicate) skips rendering rows none of whose
-    indices it wants (they are not yielded)."""
+    indices it wants (they are not yielded); ``prepare``: how a parsed row becomes its samples
+    (prepare_samples; a regenerating run's prompts: run/regenerate.py)."""
+    prepare = prepare or prepare_samples
     index = 0
     for number, source in enumerate(rows):
         if limit is not None and number >= limit:
@@ -460,7 +463,7 @@ def read_samples(
             if isinstance(row, Rejected):
                 yield row
             else:
-                yield from _guarded(index, count, line, prepare_samples, row, tokenizer, max_length, expand)
+                yield from _guarded(index, count, line, prepare, row, tokenizer, max_length, expand)
         index += count
 
 

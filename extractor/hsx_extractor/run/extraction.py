@@ -39,7 +39,7 @@ from hsx_extractor.run.consistency import (
     FinalState,
     SamplePicks,
 )
-from hsx_extractor.run.dataset import Prepared, Rejected, dataset_endpoint, dataset_rows, read_samples
+from hsx_extractor.run.dataset import Prepared, Rejected, dataset_endpoint, dataset_rows
 from hsx_extractor.run.engine import EngineContext, ShardWorker, encode_workers
 from hsx_extractor.run.failures import permanent
 from hsx_extractor.run.leases import Leases
@@ -56,6 +56,7 @@ from hsx_extractor.run.planning import PlanAhead, ReadFraction, check_committed,
 from hsx_extractor.run.producers import ENGINE_PRODUCERS, engine_of
 from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.readers import Reader, planned_reader, planning_reader
+from hsx_extractor.run.regenerate import Regenerator, row_samples
 from hsx_extractor.run.server_client import ServerClient
 from hsx_extractor.run.tokens import ChatTokenizer, TokenizerError
 from hsx_extractor.run.validate import DatasetRejected, MismatchGate, rejection_verdict
@@ -102,6 +103,7 @@ class Extraction:
         self.progress.watch_consistency(lambda: (self.consistency_gate.checked, self.consistency_gate.failed))
         # Why the consistency check is off, when it is (the manifest says so).
         self.consistency_off: str | None = None
+        self.regenerator: Regenerator | None = None  # responses: regenerate
 
     # ---- start: tokenizer, server, store, plan ----------------------------------------------
     def open_tokenizer(self) -> ChatTokenizer:
@@ -137,6 +139,7 @@ class Extraction:
             "hiddenSize": shape.hidden_size,
             "captureLayers": list(shape.capture_layers),
             "model": model_fingerprint(self.cfg.modelPath),
+            **({"regenerate": self.cfg.generation.model_dump()} if self.cfg.responses == "regenerate" else {}),
             # Only when not the default, so plans written before the key existed still resume.
             **({"finalState": shape.final_state} if shape.final_state != protocol.FINAL_POST_NORM else {}),
         }
@@ -269,6 +272,8 @@ class Extraction:
             consistency = self.consistency_for(shape)
             leases = await asyncio.to_thread(self.open_leases, store, asyncio.get_running_loop())
             rest = (producer, consistency, leases)
+            if cfg.responses == "regenerate":
+                self.regenerator = Regenerator(cfg, tok, store, client, self.progress, asyncio.get_running_loop())
             try:
                 if plan is None:
                     plan, commits = await self._extract_planning(store, client, tok, shape, committed, *rest)
@@ -350,6 +355,7 @@ class Extraction:
                 "maxLength": cfg.dataset.maxLength,
                 "expandTurns": cfg.dataset.expandTurns,
                 "replicaCount": cfg.replicaCount,
+                "responses": {"from": cfg.responses, **({"generation": cfg.generation.model_dump()} if self.regenerator else {})},
                 "consistency": self.consistency_info(),
             },
             "capture": capture.to_json(),
@@ -419,8 +425,7 @@ class Extraction:
         read = ReadFraction(d.uri, lambda: uri_stat(d.uri, where).get("size"))
 
         def items() -> Iterator[Prepared | Rejected]:
-            rows = hashed(read.count(dataset_rows(self.cfg)), digests)
-            return read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns)
+            return row_samples(self.cfg, hashed(read.count(dataset_rows(self.cfg)), digests), tok)
 
         def check_cut(cut: ShardCut) -> None:
             check_committed(store, committed, cut, d.uri)
@@ -469,17 +474,11 @@ class Extraction:
         consistency: Consistency | None,
         reader: Reader,
     ) -> ShardWorker:
-        ctx = EngineContext(
-            self.cfg,
-            self.progress,
-            self.gate,
-            self.run_key,
-            self.encode_threads,
-            self.seal_threads,
-            consistency,
-            self._resumed,
-        )
+        ctx = EngineContext(self.cfg, self.progress, self.gate, self.run_key, self.encode_threads, self.seal_threads,
+                            consistency, self._resumed)  # fmt: skip
         worker = ShardWorker(ctx, store, client, shape, producer)
+        if self.regenerator is not None:  # each shard's generations are stored before its capture
+            reader = self.regenerator.reader(reader)
         try:
             await worker.run(reader)
         except BaseException:

@@ -30,6 +30,39 @@ MARK_EVERY_S = 1.0
 MIN_READ_FRACTION = 0.01
 
 @dataclass
+class Pace:
+    """Two running totals (decoded and prefilled tokens) and their rates over the last RATE_WINDOW_S."""
+
+    first: int = 0
+    second: int = 0
+    _marks: deque[tuple[float, int, int]] = field(default_factory=deque)
+
+    def add(self, first: int, second: int) -> None:
+        self.first += first
+        self.second += second
+        now = time.monotonic()
+        if not self._marks:
+            self._marks.append((now, 0, 0))
+        if len(self._marks) >= 2 and now - self._marks[-2][0] < MARK_EVERY_S:
+            self._marks[-1] = (now, self.first, self.second)
+        else:
+            self._marks.append((now, self.first, self.second))
+        while len(self._marks) > 1 and self._marks[1][0] <= now - RATE_WINDOW_S:
+            self._marks.popleft()
+
+    def rates(self, windowed: bool, elapsed: float) -> tuple[float, float]:
+        """Per second over the window while running (0 once nothing came for a window), else the whole run."""
+        if not windowed:
+            return (self.first / elapsed, self.second / elapsed) if elapsed > 0 else (0.0, 0.0)
+        if not self._marks:
+            return 0.0, 0.0
+        now = time.monotonic()
+        since, first, second = next((m for m in reversed(self._marks) if m[0] <= now - RATE_WINDOW_S), self._marks[0])
+        span = max(now - since, 1e-9)
+        return (self.first - first) / span, (self.second - second) / span
+
+
+@dataclass
 class Progress:
     """Counters of one extractor process, for the whole run: samples of shards committed before a
     restart or by other processes count as done (``samples_resumed``) once this process has seen their
@@ -70,6 +103,9 @@ class Progress:
     # (monotonic time, samples this process finished, tokens); the first is the newest mark at or
     # before the window's start (or the start of running).
     _marks: deque[tuple[float, int, int]] = field(default_factory=deque)
+    # responses: regenerate: rows this process generated, and the tokens decoded and prefilled for them.
+    samples_generated: int = 0
+    generation: Pace = field(default_factory=lambda: Pace())
 
     def __post_init__(self) -> None:
         self._metrics = Metrics()
@@ -98,6 +134,13 @@ class Progress:
         self.metrics.tokens.inc(tokens)
         if self.running_since is not None:
             self._mark(time.monotonic())
+
+    def generated(self, decoded: int, prefilled: int, rows: int = 0) -> None:
+        """A turn generated (its tokens), or a row's generation done (``rows``)."""
+        self.samples_generated += rows
+        self.generation.add(decoded, prefilled)
+        self.metrics.generated.labels(phase="decode").inc(decoded)
+        self.metrics.generated.labels(phase="prefill").inc(prefilled)
 
     def sample_quarantined(self, reason: str) -> None:
         self.samples_done += 1
@@ -224,7 +267,11 @@ class Progress:
         remaining = max((estimate or self.samples_total) - self.samples_done, 0)
         eta = remaining / samples_rate if samples_rate > 0 and (not self.planning or estimate) else None
         checked, failed = self._consistency_probe() if self._consistency_probe else (0, 0)
+        decode_rate, prefill_rate = self.generation.rates(self.state == "running", self.elapsed)
         return ProgressReport(
+            samplesGenerated=self.samples_generated,
+            generationDecodeTokensPerSecond=round(decode_rate, 3),
+            generationPrefillTokensPerSecond=round(prefill_rate, 3),
             samplesTotal=self.samples_total,
             samplesDone=self.samples_done,
             samplesWritten=self.samples_written,
@@ -293,6 +340,9 @@ class Metrics:
         self.bytes = PromCounter("hsx_bytes_committed", "Stored bytes of committed shards.", registry=r)
         self.shards = PromCounter("hsx_shards_committed", "Shards committed by this process.", registry=r)
         self.in_flight = Gauge("hsx_requests_in_flight", "Requests at the server now.", registry=r)
+        self.generated = PromCounter(
+            "hsx_generated_tokens", "responses: regenerate: tokens decoded or prefilled to generate.", ["phase"], registry=r
+        )
         self.seal_seconds = Histogram(
             "hsx_shard_seal_seconds",
             "Time to store one shard: its upload (or file write) and its commit record.",

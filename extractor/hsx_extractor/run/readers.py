@@ -9,11 +9,12 @@ from collections.abc import Callable
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.reasons import Reason
 from hsx_extractor.run.consistency import Consistency
-from hsx_extractor.run.dataset import Prepared, Rejected, dataset_rows, read_samples
+from hsx_extractor.run.dataset import Prepared, Rejected, dataset_rows
 from hsx_extractor.run.engine import ReaderEvent, ShardResumed, ShardRow
 from hsx_extractor.run.leases import Leases, work_left
 from hsx_extractor.run.plan import RowWitness, ShardCut, ShardPlan
 from hsx_extractor.run.planning import PlanAhead, PlanStopped
+from hsx_extractor.run.regenerate import row_samples
 from hsx_extractor.run.tokens import ChatTokenizer
 from hsx_extractor.storage.store import Store
 
@@ -58,7 +59,6 @@ def read_cuts(
 ) -> None:
     """One pass over the dataset: the rows of each shard of ``plan`` that ``wanted`` (asked at the shard's
     first row), each shard's cut first."""
-    d = cfg.dataset
     shard_of = [0] * plan.rows
     for k, (start, stop) in enumerate(plan.shards):
         shard_of[start:stop] = [k] * (stop - start)
@@ -71,7 +71,7 @@ def read_cuts(
         return index < plan.rows and wanted(shard_of[index])
 
     rows = witness.rows(dataset_rows(cfg))
-    for item in read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns, want):
+    for item in row_samples(cfg, rows, tok, want):
         if item.index >= plan.rows:
             return
         shard = shard_of[item.index]
@@ -115,7 +115,6 @@ def planning_reader(
 ) -> Reader:
     """The rows of the uncommitted shards this process leases as the planning thread places them, each
     shard's cut as soon as it is made; once the plan is stored, those it takes over."""
-    d = cfg.dataset
     mine = LeaseDecisions(leases)
 
     def read(emit: Callable[[ReaderEvent], None]) -> None:
@@ -145,7 +144,7 @@ def planning_reader(
 
         try:
             rows = witness.rows(dataset_rows(cfg))
-            for item in read_samples(rows, tok, d.maxLength, d.format, d.limit, d.expandTurns, wanted):
+            for item in row_samples(cfg, rows, tok, wanted):
                 placed = ahead.placement(item.index)
                 if placed is None:
                     break

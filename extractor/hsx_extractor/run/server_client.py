@@ -78,6 +78,63 @@ def completions_body(input_ids: Sequence[int], rid: str, extra: Mapping[str, Any
 _REQUESTS = {"sglang": ("/generate", generate_body), "vllm": ("/v1/completions", completions_body)}
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """One turn's generation request (responses: regenerate): config.GenerationSpec for one row."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Generated:
+    """What the server generated: its token ids (the end-of-turn token included when it stopped on
+    one), ``finish`` stop or length, and the prompt tokens it prefilled."""
+
+    ids: list[int]
+    finish: str
+    prompt_tokens: int
+
+
+def sglang_generation(input_ids: Sequence[int], s: Sampling) -> dict[str, Any]:
+    """No rid and no return_hidden_states: SGLang runs it as any request, hsx's hook writes no dump.
+    Stop strings stay in the output (no_stop_trim) so the text re-renders to the generated ids."""
+    params: dict[str, Any] = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                              "skip_special_tokens": False, "no_stop_trim": True}  # fmt: skip
+    if s.stop:
+        params["stop"] = list(s.stop)
+    if s.seed is not None:
+        params["sampling_seed"] = s.seed
+    return {"input_ids": [int(i) for i in input_ids], "sampling_params": params}
+
+
+def sglang_generated(body: dict[str, Any]) -> Generated:
+    meta = body.get("meta_info") or {}
+    finish = (meta.get("finish_reason") or {}).get("type")
+    return Generated([int(i) for i in body["output_ids"]], str(finish), int(meta.get("prompt_tokens", 0)))
+
+
+def vllm_generation(input_ids: Sequence[int], s: Sampling) -> dict[str, Any]:
+    """No kv_transfer_params: hsx's connector writes no dump for it."""
+    return {"prompt": [int(i) for i in input_ids], "max_tokens": s.max_new_tokens, "temperature": s.temperature,
+            "top_p": s.top_p, "seed": s.seed, "stop": list(s.stop), "include_stop_str_in_output": True,
+            "skip_special_tokens": False, "return_token_ids": True}  # fmt: skip
+
+
+def vllm_generated(body: dict[str, Any]) -> Generated:
+    choice = body["choices"][0]
+    usage = body.get("usage") or {}
+    return Generated([int(i) for i in choice["token_ids"]], str(choice.get("finish_reason")), int(usage.get("prompt_tokens", 0)))
+
+
+# engine -> (path, body maker, answer reader) of a generation
+_GENERATIONS = {"sglang": ("/generate", sglang_generation, sglang_generated),
+                "vllm": ("/v1/completions", vllm_generation, vllm_generated)}  # fmt: skip
+
+
 class ServerClient:
     def __init__(
         self,
@@ -187,3 +244,34 @@ class ServerClient:
         raise ServerUnavailable(
             f"{self._path} failed {self.connect_retries + 1} times (rids {first} .. {rid}): {last}"
         )
+
+    async def complete(self, input_ids: Sequence[int], sampling: Sampling) -> Generated:
+        """Generate a turn from ``input_ids`` (no dump is written). Retries connection failures and 5xx
+        (nothing was stored yet, so a lost answer is only asked again); :class:`RequestRejected` on 4xx."""
+        path, body_of, read = _GENERATIONS[self.engine]
+        last = ""
+        async with self._slots:
+            self.in_flight += 1
+            try:
+                for attempt in range(self.connect_retries + 1):
+                    if attempt:
+                        await asyncio.sleep(min(0.5 * 2**attempt, 10.0))
+                    try:
+                        async with self.session.post(
+                            f"{self.base_url}{path}", json=body_of(input_ids, sampling), timeout=self.request_timeout
+                        ) as r:
+                            text = await r.text()
+                            if 400 <= r.status < 500:
+                                raise RequestRejected(r.status, text)
+                            if r.status < 400:
+                                try:
+                                    return read(json.loads(text))
+                                except (ValueError, KeyError, TypeError, IndexError) as exc:
+                                    raise ServerUnavailable(f"{path} answered a generation without "
+                                                            f"its token ids ({exc}): {text[:300]}") from exc  # fmt: skip
+                            last = f"HTTP {r.status}: {text[:300]}"
+                    except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                        last = f"{type(exc).__name__}: {exc}"
+            finally:
+                self.in_flight -= 1
+        raise ServerUnavailable(f"{path} (generation) failed {self.connect_retries + 1} times: {last}")

@@ -168,6 +168,16 @@ class ChatTokenizer:
         tokenizer's own) when it writes one."""
         return self._bos
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special tokens: a generated turn's last one is its end of turn, not its text."""
+        added = (i for i, t in self._tok.added_tokens_decoder.items() if t.special)
+        return frozenset(self._tok.all_special_ids).union(added)
+
+    def decode(self, ids: list[int]) -> str:
+        """Generated ids as text, special tokens spelled out, nothing cleaned up (it is re-rendered)."""
+        return str(self._tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
     def description(self) -> dict[str, Any]:
         """What the manifest records of the tokenizer (its ``tokenizer`` section)."""
         return {

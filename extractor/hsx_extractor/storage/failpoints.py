@@ -14,7 +14,12 @@ import sys
 import threading
 
 ENV = "HSX_KILL_AT"
-POINTS = (
+# responses: regenerate (run/regenerate.py), before a shard's capture.
+REGENERATE_POINTS = (
+    "generated",  # one turn generated, its shard's generations not stored yet
+    "generations-stored",  # a shard's generations stored, none of its capture done
+)
+COMMIT_POINTS = (
     "plan-written",  # plan.json stored (the dataset read to its end; extraction may be under way)
     "part-uploaded",  # one part of a shard's multipart upload sent (S3), the upload open
     "parts-uploaded",  # every part sent, CompleteMultipartUpload not yet
@@ -22,6 +27,7 @@ POINTS = (
     "record-written",  # the commit record stored, the process has not moved on
     "finalizing",  # every shard committed, unreferenced objects deleted, manifest.json not yet
 )
+POINTS = REGENERATE_POINTS + COMMIT_POINTS
 
 
 def _parse(value: str) -> tuple[str, int] | None:

@@ -8,6 +8,8 @@ key, or a key outside ``{prefix}/{runId}/``::
     {prefix}/{runId}/commits/shard-{k:06d}.json
     {prefix}/{runId}/leases/shard-{k:06d}/g{gen:06d}   (who works on shard k: run/leases.py)
     {prefix}/{runId}/leases/shard-{k:06d}/g{gen:06d}.b{beat:08d}.{kind}.{holder}
+    {prefix}/{runId}/generations/shard-{k:06d}.jsonl   (responses: regenerate: shard k's generated
+                                            conversations, written once, before its capture: run/regenerate.py)
     {prefix}/{runId}/manifest.json          (written last)
 """
 
@@ -26,6 +28,7 @@ MANIFEST_NAME = "manifest.json"
 SHARD_SUFFIX = ".safetensors"
 COMMIT_SUFFIX = ".json"
 LEASES_DIR = "leases"
+GENERATIONS_DIR = "generations"
 LEASE_KINDS = ("claim", "take", "race", "free")
 MAX_SHARDS = 1_000_000
 
@@ -164,6 +167,13 @@ class RunLayout:
             return None
         m = _COMMIT_RE.match(key[len(self.commits_prefix) :])
         return int(m.group(1)) if m else None
+
+    @property
+    def generations_prefix(self) -> str:
+        return f"{self.root}/{GENERATIONS_DIR}/"
+
+    def generations_key(self, shard_index: int) -> str:
+        return f"{self.generations_prefix}shard-{validate_shard_index(shard_index):06d}.jsonl"
 
     @property
     def leases_prefix(self) -> str:

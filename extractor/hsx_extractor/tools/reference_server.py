@@ -3,6 +3,9 @@
 * ``POST /generate`` with ``input_ids`` and ``rid`` (duplicate rids are rejected, as SGLang does):
   runs one prefill on exactly those ids (nothing added) and, before answering, writes the rid's
   dump with :func:`protocol.write_dump`.
+* ``POST /generate`` with ``input_ids``, ``sampling_params`` and neither rid nor return_hidden_states
+  (responses: regenerate): generates up to ``max_new_tokens`` (``temperature``, ``top_p``,
+  ``sampling_seed`` honoured; stop strings are not), stopping on the model's end tokens; no dump.
 * ``GET /health``, ``GET /get_model_info`` (model path, vocab size, hidden size, layers, capture
   layers, architecture).
 
@@ -91,6 +94,7 @@ class Stats:
     in_flight: int = 0
     max_in_flight: int = 0
     requests: int = 0
+    generations: int = 0  # requests that generated text (no capture)
     faulted: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -98,6 +102,7 @@ class Stats:
             "inFlight": self.in_flight,
             "maxInFlight": self.max_in_flight,
             "requests": self.requests,
+            "generations": self.generations,
             "faulted": list(self.faulted),
         }
 
@@ -126,6 +131,8 @@ class ReferenceModel:
         self._torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.model.eval()
+        ends = [getattr(text_config, "eos_token_id", None), self.model.generation_config.eos_token_id]
+        self.end_ids = {int(i) for e in ends if e is not None for i in ([e] if isinstance(e, int) else e)}
         self.noise: np.random.Generator | None = None  # set by --noise-seed (a test hook)
         self._noise_lock = threading.Lock()
 
@@ -169,6 +176,31 @@ class ReferenceModel:
                 for bits in captured:
                     bits ^= self.noise.integers(0, 2, size=bits.shape, dtype=np.uint16)
         return Forward(*captured, int(out.logits[0, -1].argmax()), logprobs)
+
+
+    def generate(self, ids: Sequence[int], sampling: dict[str, Any]) -> tuple[list[int], str]:
+        """Up to max_new_tokens after ``ids`` (the end token it stops on included) and why it stopped."""
+        torch = self._torch
+        temperature, top_p = float(sampling.get("temperature", 1.0)), float(sampling.get("top_p", 1.0))
+        seed = sampling.get("sampling_seed")
+        draw = torch.Generator().manual_seed(int(seed) if seed is not None else int.from_bytes(os.urandom(7), "big"))
+        out: list[int] = []
+        past, step = None, torch.tensor([list(ids)], dtype=torch.long)
+        with torch.inference_mode():
+            for _ in range(int(sampling.get("max_new_tokens", 128))):
+                res = self.model(step, past_key_values=past, use_cache=True)
+                past, logits = res.past_key_values, res.logits[0, -1].float()
+                if temperature == 0:
+                    token = int(logits.argmax())
+                else:
+                    probs, order = torch.softmax(logits / temperature, -1).sort(descending=True)
+                    probs[(probs.cumsum(0) - probs) > top_p] = 0.0
+                    token = int(order[torch.multinomial(probs, 1, generator=draw)])
+                out.append(token)
+                if token in self.end_ids:
+                    return out, "stop"
+                step = torch.tensor([[token]], dtype=torch.long)
+        return out, "length"
 
 
 @dataclass(frozen=True)
@@ -261,6 +293,8 @@ class ReferenceServer:
             body = await request.json()
         except ValueError:
             return _error(400, "body is not JSON")
+        if isinstance(body, dict) and "rid" not in body and "return_hidden_states" not in body:
+            return await self._generation(body)
         parsed = self._parse(body)
         if isinstance(parsed, web.Response):
             return parsed
@@ -294,6 +328,19 @@ class ReferenceServer:
             start, k = logprob_ask
             meta["input_top_logprobs"] = input_top_logprobs(ran.logprobs, start, k) if k else None
         return web.json_response({"text": "", "output_ids": [ran.next_token], "meta_info": meta})
+
+    async def _generation(self, body: dict[str, Any]) -> web.Response:
+        """A request that is no capture: generate text (SGLang's answer, output_ids and finish reason)."""
+        ids, sampling = body.get("input_ids"), body.get("sampling_params") or {}
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and 0 <= i < self.model.vocab_size
+                                                           for i in ids):  # fmt: skip
+            return _error(400, f"input_ids must be a non-empty list of ids in [0, {self.model.vocab_size})")
+        self.stats.generations += 1
+        loop = asyncio.get_running_loop()
+        out, finish = await loop.run_in_executor(self._worker, self.model.generate, ids, sampling)
+        reason = {"type": "stop", "matched": out[-1]} if finish == "stop" else {"type": "length", "length": len(out)}
+        meta = {"prompt_tokens": len(ids), "completion_tokens": len(out), "finish_reason": reason}
+        return web.json_response({"text": "", "output_ids": out, "meta_info": meta})
 
     def _parse(self, body: Any) -> tuple[str, list[int], tuple[int, int] | None] | web.Response:
         if not isinstance(body, dict):

@@ -48,6 +48,10 @@ class TinyModelSpec:
     vocab_size: int = 512
     max_positions: int = 4096
     seed: int = 0
+    # Generation tests (responses: regenerate): the head speaks only this many whole words (a
+    # leading-space token each, which the tokenizer encodes back to itself) and the end-of-turn token,
+    # so what the model generates re-renders to the generated ids. 0: every token, as initialised.
+    spoken_words: int = 0
 
 
 def example_dataset_path() -> Path:
@@ -141,9 +145,35 @@ def build_tiny_model(
     )
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config)
+    if spec.spoken_words:
+        _speak_words(model, out, spec.spoken_words)
     model.save_pretrained(str(out), safe_serialization=True)
     _readable_as_umask_allows(out)
     return out
+
+
+def _speak_words(model: object, out: Path, count: int) -> None:
+    """Give the head rows for ``count`` whole words and TURN_END only (every other logit is 0). Every
+    embedding gets a constant first component, which the residual stream carries to every final state;
+    the kept rows read it, so those tokens take nearly all the mass in any context (small random parts
+    choose among them). TURN_END, a little likelier than a word (about one step in seven), ends
+    generation (generation_config.json)."""
+    import torch
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    vocab = tok.get_vocab()
+    words = sorted(t for t in vocab if t.startswith("\u0120") and t[1:].isalpha() and len(t) > 3
+                   and tok.encode(tok.decode([vocab[t]]), add_special_tokens=False).ids == [vocab[t]])  # fmt: skip
+    keep = [vocab[t] for t in words[:count]] + [SPECIAL_TOKENS.index(TURN_END)]
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0  # type: ignore[attr-defined]
+        head = model.lm_head.weight  # type: ignore[attr-defined]
+        head.zero_()
+        head[keep] = 0.15 * torch.randn(len(keep), head.shape[1])
+        head[keep, 0] = 3.0
+        head[keep[-1], 0] += 0.09
+    model.generation_config.eos_token_id = [SPECIAL_TOKENS.index(EOS), SPECIAL_TOKENS.index(TURN_END)]  # type: ignore[attr-defined]
 
 
 def _umask() -> int:
