@@ -345,6 +345,26 @@ def trial_ratio(run_uri: str) -> tuple[float, int]:
     return raw / stored, samples
 
 
+@dataclass(frozen=True)
+class Decode:
+    """What ``responses: regenerate`` generates before capturing (prefill of the prompts, then decode)."""
+
+    rows: int
+    turns: int
+    prompt_tokens: int  # prefilled to generate (each turn's prompt)
+    max_new_tokens: int  # decode at most: every turn running to generation.maxNewTokens (or maxLength)
+    new_tokens: int  # decode expected: turns x --mean-new-tokens (the bound when not given)
+
+    def to_json(self) -> dict[str, int]:
+        return {"rows": self.rows, "turns": self.turns, "promptTokens": self.prompt_tokens,
+                "maxNewTokens": self.max_new_tokens, "newTokens": self.new_tokens}  # fmt: skip
+
+    def text(self) -> str:
+        return (f"generate  {self.rows:,} rows, {self.turns:,} turns: prefill {self.prompt_tokens:,} prompt tokens, "
+                f"decode {self.new_tokens:,} tokens (at most {self.max_new_tokens:,}); the samples above are "
+                "prompt + that many generated tokens")  # fmt: skip
+
+
 def count_dataset(
     uri: str,
     tokenizer_dir: Path,
@@ -354,9 +374,14 @@ def count_dataset(
     fmt: str = "auto",
     expand: bool = False,
     special: str = "text",
-) -> Rows:
-    """Tokenize the dataset exactly as ``hsx extract`` does (same template, same rejections)."""
+    generation: Any = None,
+    mean_new_tokens: int | None = None,
+) -> tuple[Rows, Decode | None]:
+    """Tokenize the dataset exactly as ``hsx extract`` does (same template, same rejections). With
+    ``generation`` (config.GenerationSpec: responses regenerate) each row is its prompt plus the turns
+    the target generates, ``mean_new_tokens`` each (default: maxNewTokens, the most a run can write)."""
     from hsx_extractor.run.dataset import read_samples
+    from hsx_extractor.run.regenerate import END_OF_TURN_TOKENS, Prompt, prompt_preparer
     from hsx_extractor.run.row_bounds import row_bytes_limit
     from hsx_extractor.run.sources import iter_rows
     from hsx_extractor.run.tokens import ChatTokenizer
@@ -364,5 +389,18 @@ def count_dataset(
     template = chat_template.read_text() if chat_template else None
     tokenizer = ChatTokenizer(tokenizer_dir, template, special)  # type: ignore[arg-type]
     rows = iter_rows(uri, None, row_bytes_limit(max_length))
-    samples = read_samples(rows, tokenizer, max_length, fmt, limit, expand)  # type: ignore[arg-type]
-    return rows_from_samples(samples)
+    prepare = prompt_preparer(generation) if generation is not None else None
+    samples = list(read_samples(rows, tokenizer, max_length, fmt, limit, expand, None, prepare))  # type: ignore[arg-type]
+    if generation is None:
+        return rows_from_samples(samples), None
+    prompts = [s for s in samples if isinstance(s, Prompt)]
+    mean = min(mean_new_tokens or generation.maxNewTokens, generation.maxNewTokens)
+    turns = sum(len(p.targets) for p in prompts)
+    # A sample as the run writes it: the planned bound with `mean` instead of maxNewTokens per turn.
+    lengths = [min(s.bound - len(s.targets) * (generation.maxNewTokens - mean), max_length)
+               if isinstance(s, Prompt) else None for s in samples]  # fmt: skip
+    ids = [s.sample_id if isinstance(s, Prompt) else None for s in samples]
+    room = sum(min(len(p.targets) * generation.maxNewTokens, max_length - len(p.input_ids) - END_OF_TURN_TOKENS)
+               for p in prompts)  # fmt: skip
+    decode = Decode(len(prompts), turns, sum(len(p.input_ids) for p in prompts), room, min(turns * mean, room))
+    return Rows(tuple(lengths), tuple(ids)), decode

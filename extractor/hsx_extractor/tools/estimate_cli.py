@@ -56,6 +56,12 @@ def add_estimate_command(subparsers: Any) -> argparse.ArgumentParser:
         default="text",
         help="dataset.specialTokensInContent",
     )
+    p.add_argument("--responses", choices=["dataset", "regenerate"], default="dataset",
+                   help="responses (regenerate: the target writes the answers first; docs/training.md)")  # fmt: skip
+    p.add_argument("--max-new-tokens", type=int, default=2048, help="generation.maxNewTokens (with --responses regenerate)")
+    p.add_argument("--turns", choices=["last", "each"], default="last", help="generation.turns")
+    p.add_argument("--mean-new-tokens", type=int,
+                   help="tokens a generated turn takes on average (a trial run's; default: --max-new-tokens, the most)")  # fmt: skip
     p.add_argument("--hidden-size", type=int, help="hidden size (overrides config.json)")
     p.add_argument("--num-layers", type=int, help="decoder layers (overrides config.json)")
     p.add_argument(
@@ -116,11 +122,20 @@ def run_estimate(args: argparse.Namespace) -> int:
             num_aux = len(capture_layers(dims.architecture, dims.num_layers, args.aux_layer_ids))
         except ValueError as exc:
             raise EstimateError(str(exc)) from exc
+        decode = None
+        if args.responses == "regenerate" and not args.dataset:
+            raise EstimateError("--responses regenerate needs --dataset: the prompts are counted from it")
         if args.dataset:
             tokenizer_dir = args.tokenizer or args.model
             if tokenizer_dir is None:
                 raise EstimateError("counting a dataset's tokens needs --tokenizer or --model")
-            rows = count_dataset(
+            from hsx_extractor.config import GenerationSpec
+
+            try:
+                generation = GenerationSpec(maxNewTokens=args.max_new_tokens, turns=args.turns)
+            except ValueError as exc:
+                raise EstimateError(f"--max-new-tokens {args.max_new_tokens}: {exc}") from exc
+            rows, decode = count_dataset(
                 args.dataset,
                 tokenizer_dir,
                 args.chat_template,
@@ -129,6 +144,8 @@ def run_estimate(args: argparse.Namespace) -> int:
                 args.format,
                 args.expand_turns,
                 args.special_tokens_in_content,
+                generation if args.responses == "regenerate" else None,
+                args.mean_new_tokens,
             )
         else:
             samples = args.samples if args.samples is not None else max(1, args.tokens // 2048)
@@ -162,5 +179,8 @@ def run_estimate(args: argparse.Namespace) -> int:
         message = user_message(exc)
         print(json.dumps({"error": message}) if args.json else f"hsx estimate: error: {message}", file=sys.stderr)
         return EXIT_PERMANENT
-    print(json.dumps(estimate_to_json(est), indent=2) if args.json else format_estimate(est))
+    if args.json:
+        print(json.dumps({**estimate_to_json(est), **({"generation": decode.to_json()} if decode else {})}, indent=2))
+    else:
+        print(format_estimate(est) + (f"\n{decode.text()}" if decode else ""))
     return 0
