@@ -343,9 +343,14 @@ class GenerationSpec(_Spec):
 
 
 # What a regenerating run refuses, in one place for the extractor (and, as CEL, the CRD).
-def regenerate_problem(responses: str, dataset: DatasetSpec) -> str | None:
+def regenerate_problem(responses: str, dataset: DatasetSpec, engine: str, generation: GenerationSpec) -> str | None:
     if responses != "regenerate":
         return None
+    if engine == "vllm" and generation.temperature > 0:
+        # Its extract_hidden_states speculative method (how hsx captures) proposes the sampled token again
+        # as the draft; a sampled draft's verification then emits near-uniform tokens (tests/engines).
+        return ("responses: regenerate with engine vllm needs generation.temperature 0: vLLM 0.32 in extraction "
+                "mode samples other tokens than the model's; use greedy decoding, or engine sglang to sample")
     if dataset.format == "tokens":
         return "responses: regenerate needs conversations: dataset.format tokens has no turns to regenerate"
     if dataset.expandTurns:
@@ -439,7 +444,9 @@ class ExtractConfig(_Spec):
 
     @model_validator(mode="after")
     def _settings_combine(self) -> ExtractConfig:
-        problem = final_state_problem(self.engine, self.finalState) or regenerate_problem(self.responses, self.dataset)
+        problem = final_state_problem(self.engine, self.finalState) or regenerate_problem(
+            self.responses, self.dataset, self.engine, self.generation
+        )
         if problem:
             raise ValueError(problem)
         return self

@@ -230,9 +230,8 @@ class ServerSpec(_Spec):
         min_length=1,
         max_length=_STR,
     )
-    imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] = Field(
-        default="IfNotPresent", description="When the node pulls the server image."
-    )
+    imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] = Field(default="IfNotPresent",
+                                                                      description="When the node pulls the server image.")  # fmt: skip
     gpus: int = Field(default=8, ge=1, le=16, description="nvidia.com/gpu limit of the server container (one pod).")
     tensorParallel: int | None = Field(default=None, ge=1, le=16, description="Tensor-parallel size (--tp). "
                                        "Defaults to gpus; gpus/tensorParallel is the data-parallel size.")  # fmt: skip
@@ -271,9 +270,8 @@ class ExtractorSpec(_Spec):
 
     image: str | None = Field(default=None, min_length=1, max_length=_STR, description=f"Extractor image; defaults to "
                               f"the cluster's (the chart's clusterDefaults), else {DEFAULT_EXTRACTOR_IMAGE}.")  # fmt: skip
-    imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] = Field(
-        default="IfNotPresent", description="When the node pulls the extractor image."
-    )
+    imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] = Field(default="IfNotPresent",
+                                                                      description="When the node pulls the extractor image.")  # fmt: skip
     resources: Resources = Field(
         default_factory=Resources,
         description="CPU and memory of the extractor container.",
@@ -364,6 +362,12 @@ class ExtractionJobSpec(_Spec):
                     "!has(self.responses) || self.responses != 'regenerate' || ((!has(self.dataset.format) || "
                     "self.dataset.format != 'tokens') && (!has(self.dataset.expandTurns) || !self.dataset.expandTurns))",
                     "responses: regenerate needs conversations (not dataset.format tokens) and no dataset.expandTurns",
+                ),
+                cel(
+                    "!has(self.responses) || self.responses != 'regenerate' || !has(self.server.engine) || "
+                    "self.server.engine != 'vllm' || !has(self.generation.temperature) || self.generation.temperature == 0.0",
+                    "responses: regenerate with server.engine vllm needs generation.temperature 0: vLLM in extraction "
+                    "mode samples other tokens than the model's (greedy is exact); use engine sglang to sample",
                 ),
                 cel(
                     "!has(self.continueFrom) || self.continueFrom != self.runId",

@@ -4,8 +4,8 @@ turn, hsx stores the generations, then captures prompt + generated response thro
 
 Checked for every written sample: transformers' own chat template renders the stored conversation to
 exactly the captured ids and loss mask; the captured ids hold the prompt then the ids the engine
-generated; the states match a transformers forward of those ids. vLLM honours per-request seeds, so a
-second run with the same seed generates the same conversations.
+generated; the states match a transformers forward of those ids.
+vLLM only decodes greedily here: in extraction mode it samples other tokens than the model's (pinned below).
 """
 
 from __future__ import annotations
@@ -121,8 +121,45 @@ def test_sglang_regenerates_and_captures(tmp_path: Path, sglang_speaker: SGLangS
 
 
 @pytest.mark.vllm
-def test_vllm_regenerates_and_captures_and_its_seed_repeats(tmp_path: Path, vllm_speaker: SGLangServer) -> None:
-    run_uri = regenerate(tmp_path, vllm_speaker, "vllm-regen", seed=5)
+def test_vllm_regenerates_greedily_and_captures(tmp_path: Path, vllm_speaker: SGLangServer) -> None:
+    """Greedy (the only decoding hsx lets vLLM do, below); the greedy tiny model repeats a word and runs to
+    maxNewTokens, so the truncated turns are kept."""
+    run_uri = regenerate(tmp_path, vllm_speaker, "vllm-regen", temperature=0, maxNewTokens=24, onTruncated="keep")
     records = check_regenerated(run_uri, vllm_speaker.model, protocol.FINAL_PRE_NORM)
-    again = regenerate(tmp_path, vllm_speaker, "vllm-again", seed=5)
-    assert check_regenerated(again, vllm_speaker.model, protocol.FINAL_PRE_NORM) == records
+    assert all(len(r["turns"][0]["outputIds"]) > 1 for r in records.values())
+
+
+@pytest.mark.vllm
+def test_vllm_in_extraction_mode_samples_other_tokens_than_its_model(vllm_speaker: SGLangServer) -> None:
+    """Why hsx refuses generation.temperature > 0 with vLLM (config.regenerate_problem): vLLM 0.32's
+    extract_hidden_states speculative method, which hsx's capture needs, returns the sampled token as the
+    draft, and a sampled draft's verification then emits tokens the model gives no mass (here: any token
+    outside the 12 words and the end of turn, whose logits are 0 against about 24). Greedy is exact (the
+    probe this came from compared it with a plain vLLM). If this test fails, vLLM fixed it: lift the refusal."""
+    _, hf_tokenizer = hf(vllm_speaker.model)
+    words = spoken(vllm_speaker.model)
+    prompt = hf_tokenizer.apply_chat_template([{"role": "user", "content": "Question: alpha beta?"}], tokenize=True,
+                                              add_generation_prompt=True, return_dict=False)  # fmt: skip
+    sampled = completion(vllm_speaker, list(prompt), temperature=1.0, seed=5)
+    greedy = completion(vllm_speaker, list(prompt), temperature=0)
+    assert set(greedy) <= words
+    assert not set(sampled) <= words, sampled
+
+
+def spoken(model: Path) -> set[int]:
+    """The tokens the head gives a row (the speaking model's words and its end of turn)."""
+    from safetensors import safe_open
+
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        head = f.get_tensor("lm_head.weight")
+    return {int(i) for i in (head.abs().sum(dim=1) > 0).nonzero().flatten()}
+
+
+def completion(server: SGLangServer, ids: list[int], **sampling: Any) -> list[int]:
+    import urllib.request
+
+    body = {"prompt": ids, "max_tokens": 24, "return_token_ids": True, "skip_special_tokens": False, **sampling}
+    req = urllib.request.Request(f"{server.url}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return [int(i) for i in json.loads(r.read())["choices"][0]["token_ids"]]

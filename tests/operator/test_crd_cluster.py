@@ -46,6 +46,19 @@ def _vllm_post_norm() -> dict[str, Any]:
     return doc
 
 
+def _regenerate_tokens() -> dict[str, Any]:
+    doc = _with("responses", "regenerate")
+    doc["spec"]["dataset"]["format"] = "tokens"
+    return doc
+
+
+def _regenerate_vllm_sampling() -> dict[str, Any]:
+    doc = _with("responses", "regenerate")
+    doc["spec"]["server"] = {"engine": "vllm"}
+    doc["spec"]["generation"] = {"temperature": 0.7}
+    return doc
+
+
 DELETE = object()
 
 # (case id, manifest, fragment the API server's answer must contain)
@@ -251,6 +264,14 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("pod-volume-relative", _with("pod", {"volumes": [{"name": "a", "mountPath": "a", "secret": "s"}]}), "mountPath: Invalid value"),
     (
+        "regenerate-tokens",
+        _regenerate_tokens(),
+        "responses: regenerate needs conversations",
+    ),
+    ("generation-bad-top-p", _with("generation", {"topP": 0}), "spec.generation.topP: Invalid value"),
+    ("regenerate-vllm-sampling", _regenerate_vllm_sampling(), "needs generation.temperature 0"),
+    ("responses-unknown", _with("responses", "rewrite"), "spec.responses: Unsupported value"),
+    (
         "name-with-dots",
         {**VALID, "metadata": {"name": "llama-3.1-8b"}},
         "metadata.name may not contain dots",
@@ -286,6 +307,12 @@ def test_cross_field_rules_let_sound_specs_through(xj_crd: Any, namespace: str) 
     doc["metadata"]["name"] = "xj-vllm"
     doc["spec"]["server"] = {"engine": "vllm", "gpus": 2, "shmSize": "24Gi", "extraArgs": ["--gpu-memory-utilization=0.8",
                              "--max-num-seqs", "64", "--context-length", "4096"]}  # fmt: skip
+    xj_crd.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(doc))
+    # Regenerating a chat dataset, every sampling setting given.
+    doc["metadata"]["name"] = "xj-regen"
+    doc["spec"]["responses"] = "regenerate"
+    doc["spec"]["generation"] = {"turns": "each", "maxNewTokens": 512, "temperature": 0.7, "topP": 0.9, "seed": 1,
+                                 "stop": ["</answer>"], "onTruncated": "keep"}  # fmt: skip
     xj_crd.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(doc))
 
 

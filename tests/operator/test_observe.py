@@ -196,6 +196,13 @@ def test_progress_of_two_replicas_is_the_run_they_see_and_kept_after_one_ends() 
     p = st.progress
     assert (p.samplesTotal, p.samplesDone, p.samplesQuarantined, p.tokensDone) == (50, 25, 5, 4500)
     assert p.tokensPerSecond == 250.0 and p.etaSeconds == 50 and p.eta == "50s" and p.percent == 50
+    assert p.generationDecodeTokensPerSecond == 0.0  # not regenerating: nothing reported, nothing shown
+    regenerating = {k: {**r, "generationDecodeTokensPerSecond": 40.0, "generationPrefillTokensPerSecond": 90.0}
+                    for k, r in reports.items()}  # fmt: skip
+    paced = run(job=job_json(), pods=[p0, p1], progress=regenerating).status
+    assert paced.progress.generationDecodeTokensPerSecond == 80.0  # summed over the pods, like the capture's pace
+    assert paced.progress.generationPrefillTokensPerSecond == 180.0
+    assert [r.generationDecodeTokensPerSecond for r in paced.replicas] == [40.0, 40.0]
     assert [r.index for r in st.replicas] == [0, 1]
     # Replica 0 finished (its pod is gone from the poll); its numbers stay in the sum.
     p0_done = pod_json("xj-r1-0-a", index=0, phase="Succeeded")
@@ -212,6 +219,8 @@ def test_progress_of_two_replicas_is_the_run_they_see_and_kept_after_one_ends() 
     # A reconcile that reaches no extractor (pod restarting, poll timed out) shows no pace, not an old one.
     unreachable = run(prior=later, job=job_json(), pods=[p0_done, p1], progress={}).status
     assert unreachable.progress.tokensPerSecond == 0 and unreachable.progress.etaSeconds is None
+    stale = run(prior=paced, job=job_json(), pods=[p0, p1], progress={}).status
+    assert stale.progress.generationDecodeTokensPerSecond == 0  # an old generation pace is not shown either
     assert unreachable.progress.samplesDone == 40 and unreachable.progress.eta == ""
 
 

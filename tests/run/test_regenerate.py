@@ -68,6 +68,10 @@ def test_settings_that_cannot_regenerate_are_refused() -> None:
     for dataset, words in (({"format": "tokens"}, "no turns"), ({"expandTurns": True}, "expandTurns")):
         with pytest.raises(pydantic.ValidationError, match=words):
             ExtractConfig.model_validate({**base, "dataset": {"uri": "d.jsonl", **dataset}})
+    vllm = {**base, "engine": "vllm", "dataset": {"uri": "d.jsonl"}}
+    with pytest.raises(pydantic.ValidationError, match=r"needs generation\.temperature 0"):
+        ExtractConfig.model_validate({**vllm, "generation": {"temperature": 0.7}})
+    assert ExtractConfig.model_validate(vllm).generation.temperature == 0  # greedy: vLLM decodes it exactly
     with pytest.raises(pydantic.ValidationError, match="stop string"):
         GenerationSpec(stop=[""])
 

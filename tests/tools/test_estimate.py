@@ -342,3 +342,32 @@ def test_a_trial_whose_commit_record_names_another_runs_object_is_refused(
             "--trial", str(tmp_path / "out" / "trial")]  # fmt: skip
     code, out = run_cli(argv, capsys)
     assert code == EXIT_PERMANENT and "names key 'other/" in out and "not this run's" in out and "Traceback" not in out
+
+
+def test_a_regenerating_estimate_counts_prompts_and_the_decode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--responses regenerate: each row is its prompt plus the generated turns (--mean-new-tokens each, at most
+    --max-new-tokens), priced as samples, and the decode it takes is printed."""
+    from hsx_extractor.run.tokens import ChatTokenizer
+    from hsx_extractor.tools.tinymodel import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "m")
+    rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(4)]
+    rows.append({"id": "t", "input_ids": [1, 5], "loss_mask": [0, 1]})  # no turns to regenerate
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = ChatTokenizer(model)
+    prompts = [len(tok.encode_chat(r["messages"], None, True).ids) for r in rows[:4]]
+    argv = ["estimate", "--dataset", str(dataset), "--model", str(model), "--max-length", "512", "--json",
+            "--responses", "regenerate", "--max-new-tokens", "100", "--mean-new-tokens", "10"]  # fmt: skip
+    code, out = run_cli(argv, capsys)
+    assert code == 0, out
+    got = json.loads(out)
+    assert got["samples"] == 4 and got["quarantined"] == 1
+    assert got["tokens"] == sum(prompts) + 4 * (10 + 16)  # prompt + mean new tokens + the end-of-turn allowance
+    assert got["generation"] == {"rows": 4, "turns": 4, "promptTokens": sum(prompts), "maxNewTokens": 400,
+                                 "newTokens": 40}  # fmt: skip
+    code, out = run_cli(argv[:-2], capsys)  # no mean given: every turn at its most
+    assert json.loads(out)["generation"]["newTokens"] == 400
+    code, out = run_cli(["estimate", "--tokens", "100", "--hidden-size", "64", "--num-layers", "8",
+                         "--responses", "regenerate"], capsys)  # fmt: skip
+    assert code == EXIT_PERMANENT and "needs --dataset" in out
