@@ -310,6 +310,7 @@ def test_cross_field_rules_let_sound_specs_through(xj_crd: Any, namespace: str) 
     xj_crd.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(doc))
     # Regenerating a chat dataset, every sampling setting given.
     doc["metadata"]["name"] = "xj-regen"
+    doc["spec"]["server"] = {"engine": "sglang", "shmSize": "24Gi"}  # sampling: vLLM regenerates greedily only
     doc["spec"]["responses"] = "regenerate"
     doc["spec"]["generation"] = {"turns": "each", "maxNewTokens": 512, "temperature": 0.7, "topP": 0.9, "seed": 1,
                                  "stop": ["</answer>"], "onTruncated": "keep"}  # fmt: skip

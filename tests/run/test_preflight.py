@@ -131,3 +131,17 @@ def test_wrong_credentials_fail_preflight(
     assert preflight(tmp_path, config(tmp_path, tiny_model, output=out)) == EXIT_PERMANENT
     message = (tmp_path / "termination-log").read_text()
     assert message.startswith("preflight failed: ") and "the secret key is wrong" in message
+
+
+def test_a_prompt_only_dataset_passes_when_responses_are_regenerated(tmp_path: Path, tiny_model: Path, capsys: Any) -> None:
+    """Rows without an assistant turn are what a regenerating run starts from: preflight judges them as the run
+    will (their generation prompts), not as samples with no loss."""
+    (tmp_path / "shm").mkdir()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"q {i}"}]}) + "\n"
+                               for i in range(3)))  # fmt: skip
+    cfg = config(tmp_path, tiny_model, **{"dataset.uri": str(prompts)})
+    assert preflight(tmp_path, cfg) == EXIT_PERMANENT  # as samples, all of them would be set aside
+    assert "no_assistant_tokens" in capsys.readouterr().err
+    assert preflight(tmp_path, {**cfg, "responses": "regenerate"}) == EXIT_OK
+    assert "rows render)" in capsys.readouterr().out

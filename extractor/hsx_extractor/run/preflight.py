@@ -16,9 +16,10 @@ from hsx_extractor import protocol
 from hsx_extractor.config import ExtractConfig
 from hsx_extractor.contract import EXIT_OK
 from hsx_extractor.model import check_vocab, model_shape, read_model_config, text_config
-from hsx_extractor.run.dataset import Rejected, dataset_rows, read_samples
+from hsx_extractor.run.dataset import Rejected, dataset_rows
 from hsx_extractor.run.extraction import Extraction
 from hsx_extractor.run.failures import describe_failure, permanent
+from hsx_extractor.run.regenerate import row_samples
 from hsx_extractor.run.runner import write_termination_message
 from hsx_extractor.storage.store import open_store
 
@@ -51,7 +52,7 @@ def preflight(cfg: ExtractConfig, say: Callable[[str], None]) -> None:
     )
     if not rows:
         raise permanent(f"dataset {cfg.dataset.uri} has no rows")
-    samples = list(read_samples(rows, tok, cfg.dataset.maxLength, cfg.dataset.format))
+    samples = list(row_samples(cfg, rows, tok))  # a regenerating run's rows as its prompts
     rejected = [s for s in samples if isinstance(s, Rejected)]
     reasons = ", ".join(f"line {r.line}: {r.reason}: {r.detail[:200]}" for r in rejected[:3])
     if rejected and len(rejected) == len(samples):
