@@ -278,7 +278,8 @@ class ValidationSpec(_Spec):
         ge=0.0,
         le=1.0,
         description="The run fails (DatasetRejected) when more than this fraction of its samples were set aside "
-        "by the dataset checks (invalid_json, too_long, template_error, ...; not the server's mismatches): judged "
+        "by the dataset checks (invalid_json, too_long, template_error, ...; with responses regenerate also the "
+        "generation's, truncated_generation, ...; not the server's mismatches): judged "
         "once 1000 samples were done and again at the end, so a dataset that is all wrong never ends Succeeded. "
         "1 turns it off.",
     )
@@ -320,11 +321,13 @@ class GenerationSpec(_Spec):
         ge=0,
         le=(1 << 62),
         description="Row i samples with seed + i, so a row's generation does not depend on what it was batched "
-        "with. vLLM honours it; SGLang only when started with --enable-deterministic-inference (server.extraArgs).",
+        "with. SGLang honours it only when started with --enable-deterministic-inference (server.extraArgs); "
+        "vLLM regenerates greedily (temperature 0), where no seed matters.",
     )
     stop: list[str] = Field(
         default_factory=list,
         max_length=16,
+        json_schema_extra={"items": {"type": "string", "minLength": 1, "maxLength": 256}},
         description="Strings that end a turn besides the model's end-of-turn tokens; the stop string stays in the "
         "regenerated text, so it re-renders to the generated ids.",
     )

@@ -120,7 +120,7 @@ def merge_reports(reports: list[ProgressReport]) -> ProgressReport:
     merged = largest.model_copy()
     for key in RUN_WIDE_COUNTERS:
         setattr(merged, key, max(getattr(r, key) for r in reports))
-    for key in ("tokensDone", *PROGRESS_RATES, *PROGRESS_GAUGES, "requestsInFlight"):
+    for key in ("tokensDone", "samplesGenerated", *PROGRESS_RATES, *PROGRESS_GAUGES, "requestsInFlight"):
         setattr(merged, key, sum(getattr(r, key) for r in reports))
     merged.consistencyChecked = max(r.consistencyChecked for r in reports)
     merged.consistencyFailed = max(r.consistencyFailed for r in reports)

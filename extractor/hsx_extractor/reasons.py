@@ -60,12 +60,14 @@ SERVER_REASONS = frozenset(
 )
 
 
-# What the target generated (responses: regenerate): neither the dataset's fault nor the server's.
+# What the target generated (responses: regenerate). Like the dataset's reasons, they set rows aside and
+# count toward validation.maxRejectedRowRate: a run whose rows mostly cannot be samples must not succeed.
 GENERATION_REASONS = frozenset(
     {Reason.TRUNCATED_GENERATION, Reason.EMPTY_GENERATION, Reason.GENERATION_NOT_RERENDERABLE}
 )
 
 
 def is_dataset_reason(reason: str) -> bool:
-    return reason not in SERVER_REASONS and reason not in GENERATION_REASONS
+    """Whether the reason sets a row aside (validation.maxRejectedRowRate), not the server's mismatch."""
+    return reason not in SERVER_REASONS
 

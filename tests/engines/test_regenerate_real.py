@@ -19,11 +19,13 @@ import pytest
 
 from hsx_extractor import protocol
 from hsx_extractor.reasons import GENERATION_REASONS
+from hsx_extractor.storage import failpoints
 from hsx_extractor.tools.tinymodel import TinyModelSpec, build_tiny_model
 from tests.engines.compare import assert_matches_transformers, chat_expectation, read_output, verify_json
 from tests.engines.runs import EXIT_OK, config, run_extract, write_jsonl
 from tests.engines.sglang_server import STARTED, SGLangServer
 from tests.engines.vllm_server import VLLMServer
+from tests.faults.helpers import start_extract
 
 pytestmark = pytest.mark.slow
 
@@ -118,6 +120,36 @@ def test_sglang_regenerates_and_captures(tmp_path: Path, sglang_speaker: SGLangS
     records = check_regenerated(run_uri, sglang_speaker.model, protocol.FINAL_POST_NORM)
     assert any(r["turns"][0]["finish"] == "stop" and len(r["turns"][0]["outputIds"]) > 1 for r in records.values())
     assert not [p.name for p in sglang_speaker.dump_dir.iterdir() if p.name.startswith("hsx-")]  # type: ignore[union-attr]
+
+
+def test_sglang_kills_during_generation_and_capture_resume(tmp_path: Path, sglang_speaker: SGLangServer) -> None:
+    """Killed once a shard's generations are stored (its capture not begun), then in the middle of the next
+    shard's generation: the resumed run captures every row once, and a stored generation is never made
+    again (its file unchanged, no process but the first generated its shard)."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows())
+    settings = {"temperature": 1.0, "maxNewTokens": 200}  # 200: a few rows per 1 MiB shard, several shards
+    cfg = config(tmp_path, sglang_speaker, dataset, "killed", responses="regenerate", generation=settings)
+    log = tmp_path / "killed.log"
+
+    def extract(kill_at: str | None) -> tuple[int, str]:
+        offset = log.stat().st_size if log.exists() else 0
+        code = start_extract(cfg, log, {failpoints.ENV: kill_at} if kill_at else {}).wait(timeout=600)
+        return code, log.read_text()[offset:]
+
+    code, first = extract("generations-stored#1")
+    assert code == -9 and "killed at generations-stored #1" in first, first[-3000:]
+    generations = tmp_path / "out" / "killed" / "generations"
+    (stored_first,) = generations.iterdir()
+    kept = stored_first.read_bytes()
+    code, second = extract("generated#2")
+    assert code == -9 and "killed at generated #2" in second, second[-3000:]
+    code, third = extract(None)
+    assert code == EXIT_OK, third[-3000:]
+    assert stored_first.read_bytes() == kept
+    shard = int(stored_first.name.split("-")[1].split(".")[0])
+    assert f"shard {shard}: " not in second + third
+    assert len(list(generations.iterdir())) >= 2
+    check_regenerated(tmp_path / "out" / "killed", sglang_speaker.model, protocol.FINAL_POST_NORM)
 
 
 @pytest.mark.vllm

@@ -125,6 +125,8 @@ def test_a_generation_becomes_the_sample_only_if_it_re_renders_to_its_ids(speaki
     assert "from token" in refused.detail
     kept = sample_of({**record, "quarantine": {"reason": "empty_generation", "detail": "none"}}, tok, 512)
     assert isinstance(kept, Rejected) and kept.reason == Reason.EMPTY_GENERATION
+    broken = sample_of({**record, "messages": None}, tok, 512)  # whatever judging raises sets the row aside
+    assert isinstance(broken, Rejected) and broken.reason == Reason.ROW_CHECK_FAILED
 
 
 def test_a_prompt_is_planned_at_its_bound_and_a_prompt_too_long_is_refused(speaking_tokenizer: ChatTokenizer) -> None:
@@ -236,7 +238,12 @@ def test_each_turn_regenerated_and_truncation_kept_or_quarantined(
     truncated = [r for r in records.values() if r["turns"][-1]["finish"] == "length" and "quarantine" not in r]
     assert truncated, records  # kept: the template closes the turn where the tokens ran out
     assert any(len(r["turns"]) == 2 for r in records.values())  # both turns generated, the second after the first
-    cfg = config(tmp_path, speaker, dataset, "truncated", maxNewTokens=2)
+    # Quarantined, they count toward maxRejectedRowRate: a run of mostly truncated turns does not succeed.
+    code, _, progress = run(config(tmp_path, speaker, dataset, "truncated", maxNewTokens=2))
+    assert code == EXIT_PERMANENT and progress.failure_reason == "DatasetRejected", progress.last_error
+    assert "truncated_generation" in (progress.last_error or "")
+    cfg = config(tmp_path, speaker, dataset, "allowed", maxNewTokens=2)
+    cfg["validation"]["maxRejectedRowRate"] = 1.0
     code, _, progress = run(cfg)
     assert code == EXIT_OK and progress.quarantined[Reason.TRUNCATED_GENERATION] >= 1
     check_captures(cfg, speaking_tokenizer, 4)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -34,6 +36,7 @@ import numpy as np
 from hsx_extractor.config import ExtractConfig, GenerationSpec
 from hsx_extractor.reasons import Reason
 from hsx_extractor.run.dataset import (
+    ConfigurationError,
     MessagesRow,
     Prepared,
     Rejected,
@@ -46,9 +49,16 @@ from hsx_extractor.run.engine import ReaderEvent, ShardResumed, ShardRow
 from hsx_extractor.run.failures import permanent
 from hsx_extractor.run.plan import ShardCut
 from hsx_extractor.run.progress import Progress
-from hsx_extractor.run.server_client import Generated, RequestRejected, Sampling, ServerClient
+from hsx_extractor.run.server_client import (
+    Generated,
+    RequestRejected,
+    Sampling,
+    ServerClient,
+    ServerUnavailable,
+)
 from hsx_extractor.run.sources import SourceRow
 from hsx_extractor.run.tokens import ChatTokenizer
+from hsx_extractor.run.validate import MismatchGate
 from hsx_extractor.storage import failpoints
 from hsx_extractor.storage.backends import PermanentStoreError
 from hsx_extractor.storage.store import MAX_NAMED_JSON_BYTES, Store
@@ -67,6 +77,8 @@ class Prompt(Prepared):
     targets: tuple[int, ...] = ()
     # The sample's most tokens once generated: what the plan sizes shards by.
     bound: int = 0
+    # Its tokens but the generated ones (the prompt; for turns: each, the whole dataset conversation).
+    context: int = 0
 
     @property
     def length(self) -> int:
@@ -110,7 +122,7 @@ def prompt_preparer(gen: GenerationSpec) -> Callable[..., list[Prepared | Reject
         bound = min(whole + len(targets) * (gen.maxNewTokens + END_OF_TURN_TOKENS), max_length)
         ids = np.asarray(prompt, dtype=np.int32)
         return [Prompt(row.index, row.sample_id, ids, np.zeros_like(ids, dtype=np.uint8), row.line,
-                       tuple(row.messages), row.tools, tuple(targets), bound)]  # fmt: skip
+                       tuple(row.messages), row.tools, tuple(targets), bound, whole)]  # fmt: skip
 
     return prepare
 
@@ -132,7 +144,21 @@ def content_ids(turn: dict[str, Any], special: frozenset[int]) -> list[int]:
 
 def sample_of(record: dict[str, Any], tok: ChatTokenizer, max_length: int) -> Prepared | Rejected:
     """The sample a stored generation captures: its conversation rendered by the chat template, which
-    must hold each turn's prompt ids followed by its generated ids; else why it is quarantined."""
+    must hold each turn's prompt ids followed by its generated ids; else why it is quarantined. Whatever
+    judging it raises quarantines the row (as dataset._guarded does): one row never ends a run."""
+    index, sample_id, line = record["index"], record["id"], record.get("line")
+    try:
+        return _sample_of(record, tok, max_length)
+    except ConfigurationError:
+        raise
+    except RowRefused as exc:
+        return Rejected(index, sample_id, exc.reason, exc.detail, line)
+    except Exception as exc:
+        detail = f"{type(exc).__name__} while checking the generation: {str(exc)[:300]}"
+        return Rejected(index, sample_id, Reason.ROW_CHECK_FAILED, detail, line)
+
+
+def _sample_of(record: dict[str, Any], tok: ChatTokenizer, max_length: int) -> Prepared | Rejected:
     index, sample_id, line = record["index"], record["id"], record.get("line")
     if (quarantine := record.get("quarantine")) is not None:
         return Rejected(index, sample_id, Reason(quarantine["reason"]), quarantine["detail"], line)
@@ -152,8 +178,23 @@ def sample_of(record: dict[str, Any], tok: ChatTokenizer, max_length: int) -> Pr
     return finish_sample(row, index, sample_id, sample, tok, max_length)
 
 
+def _put(q: queue.Queue[_Gathering | None], item: _Gathering | None) -> bool:
+    try:
+        q.put(item, timeout=1.0)
+        return True
+    except queue.Full:
+        return False
+
+
+def _get_nowait(q: queue.Queue[_Gathering | None]) -> _Gathering | None:
+    try:
+        return q.get_nowait()
+    except queue.Empty:
+        return None
+
+
 def encode_records(records: list[dict[str, Any]]) -> bytes:
-    return b"".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")).encode() + b"\n" for r in records)
+    return b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in records)
 
 
 def decode_records(data: bytes, where: str) -> dict[int, dict[str, Any]]:
@@ -169,23 +210,53 @@ def decode_records(data: bytes, where: str) -> dict[int, dict[str, Any]]:
 class _Gathering:
     cut: ShardCut | None = None
     items: list[Prepared | Rejected] = field(default_factory=list)
+    # Its generations being made on the loop (None: already stored), and when they began.
+    making: concurrent.futures.Future[list[dict[str, Any]]] | None = None
+    began: float = 0.0
+
+
+# Shards read whole whose generations may be under way at once: the next shard's requests reach the
+# server while the last rows of one are still decoding, so the decode batch does not drain every shard.
+GENERATE_AHEAD = 2
 
 
 class Regenerator:
     """Between the reader and the engine: holds each shard's rows until its generations are stored,
-    then hands the engine the samples they render to. Runs in the reader thread; the requests run
-    on the engine's event loop (``loop``)."""
+    then hands the engine the samples they render to. The reader thread gathers shards and starts their
+    generations (the requests run on the engine's event loop, ``loop``); a thread of its own waits for
+    them in order, stores them and hands each shard on, so the reader never waits on a generation (it
+    may be waiting in leases.work_left for the very shards it holds). ``stop_reading`` (Leases.stop)
+    ends that wait when handing on fails."""
 
-    def __init__(self, cfg: ExtractConfig, tok: ChatTokenizer, store: Store, client: ServerClient,
-                 progress: Progress, loop: asyncio.AbstractEventLoop) -> None:  # fmt: skip
+    def __init__(self, cfg: ExtractConfig, tok: ChatTokenizer, store: Store, client: ServerClient, progress: Progress,
+                 gate: MismatchGate, loop: asyncio.AbstractEventLoop, stop_reading: Callable[[], None]) -> None:  # fmt: skip
         self.cfg, self.tok, self.store, self.client, self.progress, self.loop = cfg, tok, store, client, progress, loop
-        self.gen = cfg.generation
+        self.gen, self.gate, self.stop_reading = cfg.generation, gate, stop_reading
 
     def reader(self, inner: Callable[[Callable[[ReaderEvent], None]], None]) -> Callable[[Callable[[ReaderEvent], None]], None]:
         def read(emit: Callable[[ReaderEvent], None]) -> None:
             waiting: dict[int, _Gathering] = {}
+            whole: queue.Queue[_Gathering | None] = queue.Queue(maxsize=GENERATE_AHEAD)
+            failed: list[BaseException] = []
+
+            def hand_on() -> None:
+                try:
+                    while (held := whole.get()) is not None:
+                        assert held.cut is not None
+                        samples = self.shard_samples(held)
+                        emit(held.cut)
+                        for item in samples:
+                            emit(ShardRow(held.cut.shard, item))
+                except BaseException as exc:
+                    failed.append(exc)
+                    self.stop_reading()
+                    while (rest := _get_nowait(whole)) is not None:
+                        if rest.making is not None:
+                            rest.making.cancel()
 
             def take(event: ReaderEvent) -> None:
+                if failed:
+                    raise failed[0]
                 if isinstance(event, ShardResumed):
                     emit(event)
                     return
@@ -196,36 +267,55 @@ class Regenerator:
                     held.items.append(event.item)
                 if held.cut is not None and len(held.items) == held.cut.stop - held.cut.start:
                     del waiting[event.shard]
-                    emit(held.cut)
-                    for item in self.shard_samples(held.cut.shard, held.items):
-                        emit(ShardRow(held.cut.shard, item))
+                    self.start(held)
+                    while not _put(whole, held):
+                        if failed:
+                            raise failed[0]
 
-            inner(take)
+            handing = threading.Thread(target=hand_on, name="hsx-regenerate", daemon=True)
+            handing.start()
+            try:
+                inner(take)
+            finally:
+                while handing.is_alive() and not _put(whole, None):
+                    pass
+                handing.join()
+            if failed:
+                raise failed[0]
             for held in waiting.values():  # rows missing (the dataset shrank): the engine says which shards
                 if held.cut is not None:
                     emit(held.cut)
 
         return read
 
-    def shard_samples(self, shard: int, items: list[Prepared | Rejected]) -> list[Prepared | Rejected]:
-        """The shard's rows as samples to capture, from its stored generations (made now if none are)."""
+    def start(self, held: _Gathering) -> None:
+        """Begin the shard's generations unless they are stored already."""
+        assert held.cut is not None
+        key = self.store.layout.generations_key(held.cut.shard)
+        if self.store.backend.size(key) is None:
+            prompts = [i for i in held.items if isinstance(i, Prompt)]
+            held.making = asyncio.run_coroutine_threadsafe(self._generate_all(prompts), self.loop)
+            held.began = time.monotonic()
+
+    def shard_samples(self, held: _Gathering) -> list[Prepared | Rejected]:
+        """The shard's rows as samples to capture, from its stored generations (stored now if just made)."""
+        assert held.cut is not None
+        shard = held.cut.shard
         key = self.store.layout.generations_key(shard)
         where = f"{self.store.backend.description}/{key}"
+        if held.making is not None:
+            data = encode_records(held.making.result())
+            if not self.store.backend.put_if_absent(key, data):  # another process stored its generations first
+                print(f"hsx: shard {shard}: generations stored by another process; those are captured", flush=True)
+            failpoints.reach("generations-stored")
+            rows = sum(isinstance(i, Prompt) for i in held.items)
+            print(f"hsx: shard {shard}: {rows} rows generated in {time.monotonic() - held.began:.1f}s", flush=True)
         data = self.store.backend.get(key, MAX_NAMED_JSON_BYTES)
         if data is None:
-            prompts = [i for i in items if isinstance(i, Prompt)]
-            began = time.monotonic()
-            records = self._on_loop(self._generate_all(prompts))
-            data = encode_records(records)
-            if not self.store.backend.put_if_absent(key, data):  # another process stored its generations first
-                data = self.store.backend.get(key, MAX_NAMED_JSON_BYTES)
-                if data is None:
-                    raise PermanentStoreError(f"{where}: conditional write refused but the object is gone")
-            failpoints.reach("generations-stored")
-            print(f"hsx: shard {shard}: {len(prompts)} rows generated in {time.monotonic() - began:.1f}s", flush=True)
+            raise PermanentStoreError(f"{where}: stored (or found) but gone when read back")
         stored = decode_records(data, where)
         out: list[Prepared | Rejected] = []
-        for item in items:
+        for item in held.items:
             if not isinstance(item, Prompt):
                 out.append(item)
                 continue
@@ -236,23 +326,17 @@ class Regenerator:
             out.append(sample_of(record, self.tok, self.cfg.dataset.maxLength))
         return out
 
-    def _on_loop(self, coro: Any) -> Any:
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        while True:
-            try:
-                return future.result(timeout=1.0)
-            except concurrent.futures.TimeoutError:
-                if self.loop.is_closed():
-                    future.cancel()
-                    raise
-
     async def _generate_all(self, prompts: list[Prompt]) -> list[dict[str, Any]]:
+        """Every row of a shard; the first error (the server gone, the gate's verdict) cancels the rest."""
+
         async def one(prompt: Prompt) -> dict[str, Any]:
             record = await self._generate(prompt)
             self.progress.generated(0, 0, rows=1)
             return record
 
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(p)) for p in prompts]
+        return [t.result() for t in tasks]
 
     async def _generate(self, prompt: Prompt) -> dict[str, Any]:
         """One row's turns, generated in order, each from the conversation regenerated so far."""
@@ -268,8 +352,11 @@ class Regenerator:
             return record
 
         for n, target in enumerate(prompt.targets):
-            ids = prompt.input_ids.tolist() if n == 0 else (
-                await asyncio.to_thread(tok.encode_chat, messages[:target], prompt.tools, True)).ids
+            try:
+                ids = prompt.input_ids.tolist() if n == 0 else (
+                    await asyncio.to_thread(tok.encode_chat, messages[:target], prompt.tools, True)).ids
+            except RowRefused as exc:  # the template refuses the conversation the earlier turns made
+                return quarantine(exc.reason, f"message {target}: {exc.detail}")
             room = min(gen.maxNewTokens, self.cfg.dataset.maxLength - len(ids) - END_OF_TURN_TOKENS)
             if room < 1:
                 return quarantine(Reason.TOO_LONG, f"message {target}: its prompt is {len(ids)} tokens, no room "
@@ -278,16 +365,20 @@ class Regenerator:
             try:
                 got: Generated = await self.client.complete(ids, Sampling(room, gen.temperature, gen.topP, seed,
                                                                           tuple(gen.stop)))  # fmt: skip
-            except RequestRejected as exc:
+            except RequestRejected as exc:  # this request's fault (a prompt the server will not take): the gate
+                self.gate.record(True)        # stops the run when it is every request's (a setting it refuses)
+                if verdict := self.gate.verdict():
+                    raise permanent(f"generation: {verdict}") from exc
                 return quarantine(Reason.SERVER_ERROR, f"message {target}: generation refused: {exc}")
+            self.gate.record(False)
+            if got.finish not in ("stop", "length"):  # aborted (load, a restart): not the row's; asked again later
+                raise ServerUnavailable(f"the server ended a generation with {got.finish!r}")
             self.progress.generated(len(got.ids), len(ids))
             failpoints.reach("generated")
             turn = {"message": target, "promptTokens": len(ids), "outputIds": got.ids, "finish": got.finish}
             record["turns"].append(turn)
             text = tok.decode(content_ids(turn, tok.special_ids))
             messages[target : target + 1] = [{"role": "assistant", "content": text}]
-            if got.finish not in ("stop", "length"):
-                return quarantine(Reason.SERVER_ERROR, f"message {target}: generation ended with {got.finish!r}")
             if got.finish == "length" and gen.onTruncated == "quarantine":
                 return quarantine(Reason.TRUNCATED_GENERATION, f"message {target}: {len(got.ids)} tokens generated "
                                   f"without a stop (generation.maxNewTokens {gen.maxNewTokens}, or maxLength)")  # fmt: skip

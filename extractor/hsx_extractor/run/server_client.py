@@ -252,6 +252,7 @@ class ServerClient:
         last = ""
         async with self._slots:
             self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
             try:
                 for attempt in range(self.connect_retries + 1):
                     if attempt:

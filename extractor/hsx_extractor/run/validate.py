@@ -159,7 +159,7 @@ def rejection_verdict(
     shown = [e for e in examples if is_dataset_reason(e.reason)][:REJECTION_EXAMPLES]
     lines = "; ".join(f"line {e.line} ({e.reason}): {e.detail[:200]}" for e in shown)
     return (
-        f"DatasetRejected: {count} of {done} samples ({count / done:.1%}) were set aside by the dataset checks, "
+        f"DatasetRejected: {count} of {done} samples ({count / done:.1%}) were set aside by the dataset (or generation) checks, "
         f"more than validation.maxRejectedRowRate {max_rate:.0%}: {top}" + (f"; e.g. {lines}" if lines else "")
         + "; fix the dataset or its settings (dataset.format, chatTemplate, maxLength), then change runId"
     )

@@ -389,15 +389,17 @@ def count_dataset(
     template = chat_template.read_text() if chat_template else None
     tokenizer = ChatTokenizer(tokenizer_dir, template, special)  # type: ignore[arg-type]
     rows = iter_rows(uri, None, row_bytes_limit(max_length))
-    prepare = prompt_preparer(generation) if generation is not None else None
-    samples = list(read_samples(rows, tokenizer, max_length, fmt, limit, expand, None, prepare))  # type: ignore[arg-type]
-    if generation is None:
-        return rows_from_samples(samples), None
+    if generation is None:  # streamed: only the counts are kept
+        return rows_from_samples(read_samples(rows, tokenizer, max_length, fmt, limit, expand)), None  # type: ignore[arg-type]
+    if expand:
+        raise EstimateError("--responses regenerate does not combine with --expand-turns (a run refuses it too)")
+    prepare = prompt_preparer(generation)
+    samples = list(read_samples(rows, tokenizer, max_length, fmt, limit, False, None, prepare))  # type: ignore[arg-type]
     prompts = [s for s in samples if isinstance(s, Prompt)]
     mean = min(mean_new_tokens or generation.maxNewTokens, generation.maxNewTokens)
     turns = sum(len(p.targets) for p in prompts)
-    # A sample as the run writes it: the planned bound with `mean` instead of maxNewTokens per turn.
-    lengths = [min(s.bound - len(s.targets) * (generation.maxNewTokens - mean), max_length)
+    # A sample as the run writes it: its prompt (or conversation) and `mean` tokens per generated turn.
+    lengths = [min(s.context + len(s.targets) * (mean + END_OF_TURN_TOKENS), max_length)
                if isinstance(s, Prompt) else None for s in samples]  # fmt: skip
     ids = [s.sample_id if isinstance(s, Prompt) else None for s in samples]
     room = sum(min(len(p.targets) * generation.maxNewTokens, max_length - len(p.input_ids) - END_OF_TURN_TOKENS)

@@ -131,10 +131,12 @@ def run_estimate(args: argparse.Namespace) -> int:
                 raise EstimateError("counting a dataset's tokens needs --tokenizer or --model")
             from hsx_extractor.config import GenerationSpec
 
-            try:
-                generation = GenerationSpec(maxNewTokens=args.max_new_tokens, turns=args.turns)
-            except ValueError as exc:
-                raise EstimateError(f"--max-new-tokens {args.max_new_tokens}: {exc}") from exc
+            generation = None
+            if args.responses == "regenerate":
+                try:
+                    generation = GenerationSpec(maxNewTokens=args.max_new_tokens, turns=args.turns)
+                except ValueError as exc:
+                    raise EstimateError(f"--max-new-tokens {args.max_new_tokens}: {exc}") from exc
             rows, decode = count_dataset(
                 args.dataset,
                 tokenizer_dir,
@@ -144,7 +146,7 @@ def run_estimate(args: argparse.Namespace) -> int:
                 args.format,
                 args.expand_turns,
                 args.special_tokens_in_content,
-                generation if args.responses == "regenerate" else None,
+                generation,
                 args.mean_new_tokens,
             )
         else:
