@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from hsx_extractor.sglang_hook.launch import OWNED_FLAGS, REFUSED_FLAGS, extra_args_problem, refused_extra_arg
+from hsx_extractor.sglang_hook.launch import (
+    OWNED_FLAGS,
+    REFUSED_FLAGS,
+    extra_args_problem,
+    refused_extra_arg,
+    server_args,
+)
 
 # Builds SGLang's parser as `sglang serve` does and reports its flags by destination, and what argparse
 # makes of a few abbreviations.
@@ -74,3 +80,28 @@ def test_abbreviations_argparse_would_expand_are_refused(parser_facts: dict) -> 
         and "--mod=/x (--model)" in problem
         and "--config" in problem
     )
+
+
+_PARSE = r"""
+import argparse, json, sys
+from sglang.srt.server_args import ServerArgs
+p = argparse.ArgumentParser(prog="probe")
+ServerArgs.add_cli_args(p)
+ns = p.parse_args(sys.argv[1:])
+print(json.dumps({k: getattr(ns, k) for k in ("model_path", "tp_size", "nnodes", "node_rank", "dist_init_addr",
+                                               "enable_return_aux_hidden_states", "disable_radix_cache")}))
+"""
+
+
+def test_a_group_launch_parses_as_sglang_reads_it(sglang_venv: Path) -> None:
+    """Issue 37: the argv of each pod of a 2-node server, read by the release's own parser (SGLang's CPU path
+    cannot run tensor parallelism here, so this and the pure tests are what proves the launch)."""
+    for rank in (0, 1):
+        argv = server_args("/models/big", 16, 30000, nodes=2, node_rank=rank, dist_init_addr="xj-g-0.xj:20000")
+        done = subprocess.run([str(sglang_venv / "bin" / "python"), "-c", _PARSE, *argv[3:]],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+            "model_path": "/models/big", "tp_size": 16, "nnodes": 2, "node_rank": rank,
+            "dist_init_addr": "xj-g-0.xj:20000", "enable_return_aux_hidden_states": True, "disable_radix_cache": True,
+        }  # fmt: skip

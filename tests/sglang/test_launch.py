@@ -65,12 +65,30 @@ def test_default_layers_and_context_length() -> None:
         ({"extra_args": ["--disable-radix-cache"]}, "may not set --disable-radix-cache"),
         ({"extra_args": ["--port=1"]}, "may not set --port"),
         ({"chunked_prefill_size": 0}, "chunked_prefill_size"),
+        ({"nodes": 0}, "nodes"),
+        ({"nodes": 2}, "needs dist_init_addr"),
+        ({"nodes": 2, "dist_init_addr": "leader"}, "needs dist_init_addr host:port"),
+        ({"nodes": 2, "node_rank": 2, "dist_init_addr": "leader:20000"}, "node_rank 2"),
+        ({"nodes": 2, "node_rank": "$(rank; rm -rf /)", "dist_init_addr": "l:1"}, "VAR"),
+        ({"extra_args": ["--nnodes", "2"]}, "may not set --nnodes"),
+        ({"extra_args": ["--nccl-init-addr=a:1"]}, "may not set --nccl-init-addr"),
     ],
 )
 def test_bad_input_is_refused(kwargs: dict, match: str) -> None:
     args = {"model_path": "/m", "tp": 8, "port": 30000} | kwargs
     with pytest.raises(ValueError, match=match):
         server_args(**args)
+
+
+def test_a_server_over_several_nodes_names_its_group() -> None:
+    """Issue 37's launch: every pod of a group runs the same argv but its rank; one node adds nothing."""
+    assert "--nnodes" not in server_args("/m", 8, 30000)
+    argv = server_args("/m", 16, 30000, nodes=2, node_rank="$(JOB_COMPLETION_INDEX)", dist_init_addr="g-0.grp:20000")
+    assert _flag_value(argv, "--nnodes") == ["2"] and _flag_value(argv, "--tp-size") == ["16"]
+    assert _flag_value(argv, "--node-rank") == ["$(JOB_COMPLETION_INDEX)"]
+    assert _flag_value(argv, "--dist-init-addr") == ["g-0.grp:20000"]
+    assert _flag_value(server_args("/m", 16, 30000, nodes=2, node_rank=1, dist_init_addr="10.0.0.5:20000"),
+                       "--node-rank") == ["1"]  # fmt: skip
 
 
 def test_pin_and_switch() -> None:

@@ -304,8 +304,8 @@ class Regenerator:
         key = self.store.layout.generations_key(shard)
         where = f"{self.store.backend.description}/{key}"
         if held.making is not None:
-            data = encode_records(held.making.result())
-            if not self.store.backend.put_if_absent(key, data):  # another process stored its generations first
+            made = encode_records(held.making.result())
+            if not self.store.backend.put_if_absent(key, made):  # another process stored its generations first
                 print(f"hsx: shard {shard}: generations stored by another process; those are captured", flush=True)
             failpoints.reach("generations-stored")
             rows = sum(isinstance(i, Prompt) for i in held.items)

@@ -6,6 +6,7 @@ Why each flag is there: docs/sglang.md.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 from hsx_extractor.protocol import DUMP_DIR_ENV, FINAL_POST_NORM, FINAL_PRE_NORM
@@ -58,6 +59,11 @@ OWNED_FLAGS = frozenset(
         "--speculative-draft-model",
         "--pp-size",
         "--pipeline-parallel-size",
+        # A server over several nodes (issue 37): each pod's rank and the leader's address are the group's.
+        "--nnodes",
+        "--node-rank",
+        "--dist-init-addr",
+        "--nccl-init-addr",
     }
 )
 
@@ -109,13 +115,19 @@ def server_args(
     dp: int = 1,
     chunked_prefill_size: int = -1,
     context_length: int | None = None,
+    nodes: int = 1,
+    node_rank: int | str = 0,
+    dist_init_addr: str | None = None,
 ) -> list[str]:
     """The argv that starts SGLang in extraction mode.
 
     ``layer_ids`` are SGLang's ``--return-aux-hidden-state-layer-ids`` (see hsx_extractor.model for
     which layers they capture); None keeps EAGLE-3's default layers. ``dp`` > 1 runs that many
     data-parallel replicas (each scheduler's attention-TP rank 0 dumps its own requests; total
-    GPUs = tp x dp). ``extra_args`` are appended
+    GPUs = tp x dp). ``nodes`` > 1 spreads the tensor-parallel group over that many pods on as many nodes:
+    each runs this argv with its own ``node_rank`` (0 is the leader, whose attention-TP rank 0 writes the
+    dumps; a Kubernetes ``$(VAR)`` reference, expanded in the pod, is taken as it is) and the leader's
+    ``dist_init_addr`` (``host:port``). ``extra_args`` are appended
     verbatim (quantization, memory fraction, ...) but may not override the flags extraction needs.
     Raises ValueError on bad input.
     """
@@ -127,6 +139,7 @@ def server_args(
         raise ValueError(f"port {port} is not a TCP port")
     if chunked_prefill_size == 0 or chunked_prefill_size < -1:
         raise ValueError("chunked_prefill_size must be -1 (no chunking) or positive")
+    group = _node_group(nodes, node_rank, dist_init_addr)
     extra = [str(a) for a in extra_args]
     problem = extra_args_problem(extra)
     if problem:
@@ -163,7 +176,26 @@ def server_args(
         if context_length < 1:
             raise ValueError(f"context_length must be >= 1, got {context_length}")
         argv += ["--context-length", str(context_length)]
-    return argv + extra
+    return argv + group + extra
+
+
+_ENV_REFERENCE = re.compile(r"^\$\([A-Z_][A-Z0-9_]*\)$")
+_HOST_PORT = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})?:\d{1,5}$")
+
+
+def _node_group(nodes: int, node_rank: int | str, dist_init_addr: str | None) -> list[str]:
+    """SGLang's flags for a server over ``nodes`` pods (none for one)."""
+    if nodes < 1:
+        raise ValueError(f"nodes must be >= 1, got {nodes}")
+    if nodes == 1:
+        return []
+    if isinstance(node_rank, int) and not 0 <= node_rank < nodes:
+        raise ValueError(f"node_rank {node_rank} must be in [0, {nodes})")
+    if isinstance(node_rank, str) and not _ENV_REFERENCE.match(node_rank):
+        raise ValueError(f"node_rank {node_rank!r} must be a number or a $(VAR) reference")
+    if not dist_init_addr or not _HOST_PORT.match(dist_init_addr):
+        raise ValueError(f"a server over {nodes} nodes needs dist_init_addr host:port, got {dist_init_addr!r}")
+    return ["--nnodes", str(nodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_init_addr]
 
 
 def server_env(
