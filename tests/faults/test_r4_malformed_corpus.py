@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from hsx_extractor.config import ExtractConfig
-from hsx_extractor.reasons import Reason
+from hsx_extractor.reasons import GENERATION_REASONS, Reason
 from hsx_extractor.run.extraction import Extraction
 from hsx_extractor.run.progress import Progress, bound_port, start_progress_server
 from hsx_extractor.tools.demo import reference_server
@@ -135,7 +135,9 @@ TRICKY: list[bytes] = [
 ]
 DATASET_REASONS = {r for r in Reason if r.value not in {"id_mismatch", "length_mismatch", "non_finite", "no_dump",
                                                           "server_error", "special_tokens_in_content",
-                                                          "row_check_failed"}}
+                                                          "row_check_failed"}} - GENERATION_REASONS
+# The generation reasons come from what the target generates (responses: regenerate), not from a row's bytes:
+# tests/run/test_regenerate.py and tests/engines/test_regenerate_real.py cover them.
 # special_tokens_in_content needs dataset.specialTokensInContent: quarantine (or a tokenizer that cannot keep
 # such text as text); tests/run/test_dataset.py covers it. Here content specials are text (the TRICKY rows).
 # row_check_failed is the net under every check (an error no check names): no row of data should reach it;
