@@ -56,3 +56,34 @@ def test_resumed_samples_are_not_throughput_and_the_end_reports_the_run(clock: C
     clock.now += 500
     done = p.report()
     assert done.samplesPerSecond == pytest.approx(5, rel=0.05)  # over the run, not the idle time after
+
+
+def test_a_shard_counts_once_when_another_process_commits_it_while_this_one_works_on_it() -> None:
+    """A race or a takeover on a stale listing: this process finishes samples of a shard another commits first.
+    The run's counts take the shard's rows once, whichever news comes first; the tokens stay this process's work."""
+    from hsx_extractor.storage.commit_record import QuarantineEntry, ShardCommit
+
+    def commit(shard: int) -> ShardCommit:
+        bad = (QuarantineEntry(shard * 10 + 9, None, "too_long", "long"),)
+        return ShardCommit(shard, 9, 1, 100, 1000, "k", "0123456789abcdef", shard * 10, shard * 10 + 10,
+                           tuple(range(shard * 10, shard * 10 + 9)), bad)  # fmt: skip
+
+    p = Progress("r", 0)
+    for _ in range(4):  # shard 0: four of its samples here, then another process's commit arrives
+        p.sample_done(10, shard=0)
+    p.sample_quarantined("too_long", shard=0)
+    p.shard_resumed(0, commit(0), 10)
+    for _ in range(5):  # the rest of shard 0 here, after: already counted
+        p.sample_done(10, shard=0)
+    p.shard_resumed(1, commit(1), 10)  # shard 1 counted first, then worked on here too
+    for _ in range(9):
+        p.sample_done(10, shard=1)
+    p.shard_committed(1, 100)  # the loser adopts the committed shard
+    report = p.report()
+    assert (report.samplesDone, report.samplesWritten, report.samplesQuarantined) == (20, 18, 2)
+    assert report.quarantinedByReason == {"too_long": 2} and report.tokensDone == 180
+    for _ in range(3):  # a shard only this process works on counts as before
+        p.sample_done(1, shard=2)
+    p.sample_quarantined("no_dump", shard=2)
+    p.shard_committed(2, 10)
+    assert p.report().samplesDone == 24 and p.report().quarantinedByReason == {"no_dump": 1, "too_long": 2}

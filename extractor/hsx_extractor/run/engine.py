@@ -425,9 +425,9 @@ class ShardWorker:
         except NonFiniteValues as exc:
             return Mismatch(Reason.NON_FINITE, str(exc))
         if isinstance(item, SampleRecord):
-            self.progress.sample_done(item.seq_len)
+            self.progress.sample_done(item.seq_len, shard_index)
         else:
-            self.progress.sample_quarantined(item.reason)
+            self.progress.sample_quarantined(item.reason, shard_index)
             if is_dataset_reason(item.reason) and len(self._rejected_examples) < REJECTION_EXAMPLES:
                 self._rejected_examples.append(item)
             verdict = rejection_verdict(

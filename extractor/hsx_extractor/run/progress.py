@@ -7,7 +7,7 @@ import asyncio
 import os
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -103,6 +103,10 @@ class Progress:
     # (monotonic time, samples this process finished, tokens); the first is the newest mark at or
     # before the window's start (or the start of running).
     _marks: deque[tuple[float, int, int]] = field(default_factory=deque)
+    # Samples this process counted per shard not yet counted as committed (shard_resumed takes them back).
+    _own_done: Counter[int] = field(default_factory=Counter)
+    _own_written: Counter[int] = field(default_factory=Counter)
+    _own_quarantined: defaultdict[int, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
     # responses: regenerate: rows this process generated, and the tokens decoded and prefilled for them.
     samples_generated: int = 0
     generation: Pace = field(default_factory=lambda: Pace())
@@ -126,10 +130,14 @@ class Progress:
         return self._metrics
 
     # Updates: every change goes through these, so /metrics and /progress never disagree.
-    def sample_done(self, tokens: int) -> None:
-        self.samples_done += 1
-        self.samples_written += 1
+    def sample_done(self, tokens: int, shard: int | None = None) -> None:
+        """A sample written to ``shard`` by this process. If the shard was already counted (another process
+        committed it first: a race, a stale takeover), the run's counts have its rows: only the work counts."""
         self.tokens_done += tokens
+        if self._own_sample(shard):
+            self.samples_done += 1
+            self.samples_written += 1
+            self._own_written[shard] += 1  # type: ignore[index]
         self.metrics.samples.inc()
         self.metrics.tokens.inc(tokens)
         if self.running_since is not None:
@@ -142,9 +150,11 @@ class Progress:
         self.metrics.generated.labels(phase="decode").inc(decoded)
         self.metrics.generated.labels(phase="prefill").inc(prefilled)
 
-    def sample_quarantined(self, reason: str) -> None:
-        self.samples_done += 1
-        self.quarantined[reason] += 1
+    def sample_quarantined(self, reason: str, shard: int | None = None) -> None:
+        if self._own_sample(shard):
+            self.samples_done += 1
+            self.quarantined[reason] += 1
+            self._own_quarantined[shard][reason] += 1  # type: ignore[index]
         self.metrics.quarantined.labels(reason=reason).inc()
         if self.running_since is not None:
             self._mark(time.monotonic())
@@ -181,24 +191,43 @@ class Progress:
         self.samples_total, self.shards_total, self.planning = samples, shards, False
         self._planning_probe = None
 
+    def _own_sample(self, shard: int | None) -> bool:
+        """Whether a sample this process finished in ``shard`` counts toward the run (its shard not counted
+        yet); counted ones are remembered per shard until the shard is."""
+        if shard is None:
+            return True
+        if shard in self.counted_shards:
+            return False
+        self._own_done[shard] += 1
+        return True
+
     def shard_resumed(self, shard: int, commit: ShardCommit | None, rows: int) -> None:
         """A shard committed by an earlier process or another replica: its rows are done (``commit``
-        None: its record is gone; the shard still counts as committed). Each shard counts once."""
+        None: its record is gone; the shard still counts as committed). Each shard counts once, less
+        the samples of it this process already counted (it worked on the shard too)."""
         if shard in self.counted_shards:
             return
         self.counted_shards.add(shard)
-        self.samples_done += rows
-        self.samples_resumed += rows
+        own = self._own_done.pop(shard, 0)
+        self.samples_done += rows - own
+        self.samples_resumed += rows - own
         self.shards_committed += 1
+        written, quarantined = self._own_written.pop(shard, 0), self._own_quarantined.pop(shard, Counter())
         if commit is not None:
             self.bytes_committed += commit.bytes_stored
-            self.samples_written += commit.samples
-            for q in commit.quarantine:
-                self.quarantined[q.reason] += 1
+            self.samples_written += commit.samples - written
+            self.quarantined.update(q.reason for q in commit.quarantine)
+        else:
+            self.samples_written -= written
+        if quarantined:
+            self.quarantined.subtract(quarantined)
+            self.quarantined = Counter({r: n for r, n in self.quarantined.items() if n > 0})
 
     def shard_committed(self, shard: int, nbytes: int, seconds: float | None = None) -> None:
         """One shard stored and committed; ``seconds``: its seal (upload and commit record) took."""
         self.counted_shards.add(shard)
+        for own in (self._own_done, self._own_written, self._own_quarantined):
+            own.pop(shard, None)
         self.shards_committed += 1
         self.bytes_committed += nbytes
         self.metrics.shards.inc()
