@@ -30,7 +30,7 @@ from hsx_extractor.storage import failpoints
 from hsx_extractor.tools.tinymodel import TURN_END, TinyModelSpec, build_tiny_model
 from tests.faults.helpers import RefServerProcess, free_port, hsx_verify, start_extract
 
-from .helpers import write_jsonl
+from .helpers import base_config, write_jsonl
 from .test_pipeline import run, stored
 
 SPEAKING = TinyModelSpec(spoken_words=12)
@@ -154,21 +154,11 @@ def speaker(speaking_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 def config(tmp: Path, server: RefServerProcess, dataset: Path, run_id: str, **generation: Any) -> dict[str, Any]:
-    return {
-        "runId": run_id,
-        "dataset": {"uri": str(dataset), "maxLength": 512},
-        # 1 MiB shards: a few rows each at the planned bound (prompt + maxNewTokens + 16 tokens)
-        "output": {"uri": str(tmp / "out"), "shardTargetBytes": 1 << 20},
-        "modelPath": str(server.model),
-        "serverUrl": server.url,
-        "dumpDir": str(server.dump_dir),
-        "concurrency": 4,
-        "progressPort": 0,
-        "logIntervalSeconds": 60,
-        "validation": {"dumpTimeoutSeconds": 10},
-        "responses": "regenerate",
-        "generation": {"temperature": 1.0, "seed": 7, "maxNewTokens": 200, **generation},
-    }
+    """base_config (1 MiB shards: a few rows each at the planned bound, prompt + maxNewTokens + 16 tokens) with
+    its validation replaced by a longer dump wait, regenerating seeded."""
+    settings = {"temperature": 1.0, "seed": 7, "maxNewTokens": 200, **generation}
+    return base_config(tmp, server, dataset, run_id, validation={"dumpTimeoutSeconds": 10},  # type: ignore[arg-type]
+                       responses="regenerate", generation=settings)  # fmt: skip
 
 
 def generations(cfg: dict[str, Any]) -> dict[int, dict[str, Any]]:
