@@ -167,15 +167,17 @@ def test_vllm_in_extraction_mode_samples_other_tokens_than_its_model(vllm_speake
     extract_hidden_states speculative method, which hsx's capture needs, returns the sampled token as the
     draft, and a sampled draft's verification then emits tokens the model gives no mass (here: any token
     outside the 12 words and the end of turn, whose logits are 0 against about 24). Greedy is exact (the
-    probe this came from compared it with a plain vLLM). If this test fails, vLLM fixed it: lift the refusal."""
+    probe this came from compared it with a plain vLLM). The stray tokens are not the same from run to run
+    (one CI run drew a clean sample for a seed that strays here), so several seeds are asked and one stray
+    sample is enough; a probe here saw 24 of 24 stray. If this test fails, vLLM fixed it: lift the refusal."""
     _, hf_tokenizer = hf(vllm_speaker.model)
     words = spoken(vllm_speaker.model)
     prompt = hf_tokenizer.apply_chat_template([{"role": "user", "content": "Question: alpha beta?"}], tokenize=True,
                                               add_generation_prompt=True, return_dict=False)  # fmt: skip
-    sampled = completion(vllm_speaker, list(prompt), temperature=1.0, seed=5)
     greedy = completion(vllm_speaker, list(prompt), temperature=0)
     assert set(greedy) <= words
-    assert not set(sampled) <= words, sampled
+    samples = [completion(vllm_speaker, list(prompt), temperature=1.0, seed=seed) for seed in range(12)]
+    assert any(not set(sampled) <= words for sampled in samples), samples
 
 
 def spoken(model: Path) -> set[int]:
