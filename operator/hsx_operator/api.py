@@ -20,21 +20,18 @@ from hsx_extractor.config import (
     OutputSpec,
     ValidationSpec,
 )
-from hsx_extractor.sglang_hook.launch import OWNED_FLAGS
-from hsx_extractor.vllm_hook.launch import OWNED_FLAGS as VLLM_OWNED_FLAGS
 from hsx_operator.cel import cel, location_rules
 from hsx_operator.placement import SchedulingSpec
 from hsx_operator.pod_settings import (
     EXTRACTOR_ENV_DOC,
     EXTRACTOR_ENV_RULE,
     EXTRACTOR_OWN_ENV,
-    QUANTITY_PATTERN,
     EnvVar,
     PodSettings,
     Resources,
 )
 from hsx_operator.pod_settings import MAX_TEXT as _STR
-from hsx_operator.server_flags import EXTRA_ARGS_RULE, IS_VLLM
+from hsx_operator.server_spec import DEFAULT_SERVER_IMAGES, ServerSpec
 
 GROUP = "hsx.dev"
 VERSION = "v1alpha1"
@@ -43,8 +40,6 @@ PLURAL = "extractionjobs"
 SINGULAR = "extractionjob"
 SHORT_NAMES = ("xj",)
 
-# The server image of each engine (server.engine), used when server.image is not set.
-DEFAULT_SERVER_IMAGES = {"sglang": "ghcr.io/hsx-dev/hsx-sglang:0.1.0", "vllm": "ghcr.io/hsx-dev/hsx-vllm:0.1.0"}
 DEFAULT_EXTRACTOR_IMAGE = "ghcr.io/hsx-dev/hsx-extractor:0.1.0"
 
 ABS_PATH_PATTERN = r"^/.*$"
@@ -53,7 +48,6 @@ ABS_PATH_PATTERN = r"^/.*$"
 _EXTRACT_DEFAULTS = ExtractConfig.model_fields
 
 # Upper bounds of sizes: past them a value is a typo, not a node (the API server says the range).
-MAX_SHM = "4Ti"
 MAX_DUMP_DIR_BYTES = 4 << 40
 
 # Bounds keep CEL's estimated cost within the API server's budget (it prices by maximum size).
@@ -167,104 +161,6 @@ class ModelSpec(_Spec):
     )
 
 
-class ServerSpec(_Spec):
-    """The extraction server (SGLang with hsx's hook, or vLLM with hsx's connector), run as a native
-    sidecar that owns the GPUs."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(
-                    "!has(self.tensorParallel) || self.gpus % self.tensorParallel == 0",
-                    "server.gpus must be a multiple of server.tensorParallel (the rest is data parallel)",
-                ),
-                cel(
-                    "!has(self.resources) || (!('nvidia.com/gpu' in self.resources.?requests.orValue({})) && "
-                    "!('nvidia.com/gpu' in self.resources.?limits.orValue({})))",
-                    "set server.gpus instead of nvidia.com/gpu in server.resources",
-                ),
-                cel(
-                    EXTRA_ARGS_RULE,
-                    "server.extraArgs may not set flags extraction mode owns (SGLang: "
-                    + ", ".join(sorted(OWNED_FLAGS))
-                    + "; vLLM: "
-                    + ", ".join(sorted(VLLM_OWNED_FLAGS))
-                    + ") nor any abbreviation of them (SGLang reads --tp-siz as --tp-size), nor --config (a "
-                    "file of arguments); use model, server.gpus, server.tensorParallel and server.port instead",
-                ),
-                cel(
-                    f"!{IS_VLLM} || !has(self.tensorParallel) || self.tensorParallel == self.gpus",
-                    "server.engine vllm runs one tensor-parallel group per pod: leave server.tensorParallel "
-                    "unset or equal to server.gpus (use parallelism for more replicas)",
-                ),
-                cel(
-                    "!has(self.resources) || !('memory' in self.resources.?limits.orValue({})) || "
-                    "!isQuantity(self.resources.limits['memory']) || !isQuantity(self.shmSize) || "
-                    "quantity(self.resources.limits['memory']).compareTo(quantity(self.shmSize)) > 0",
-                    "server.resources.limits.memory must be larger than server.shmSize: the dumps and NCCL "
-                    "buffers in /dev/shm count against the server's memory limit",
-                ),
-                cel(
-                    "!has(self.shmSize) || !isQuantity(self.shmSize) || "
-                    f"quantity(self.shmSize).compareTo(quantity('{MAX_SHM}')) <= 0",
-                    f"server.shmSize must be at most {MAX_SHM} (the largest node memory hsx sizes for); "
-                    "the dumps waiting for the extractor need extractor.dumpDirMaxBytes of it",
-                ),
-                cel(
-                    "!has(self.env) || self.env.all(e, e.name != 'SGLANG_HS_DUMP_DIR')",
-                    "SGLANG_HS_DUMP_DIR is set by the operator and cannot be overridden in server.env",
-                ),
-            ]
-        }
-    )
-
-    engine: Literal["sglang", "vllm"] = Field(
-        default="sglang",
-        description="The server's engine: sglang (SGLang 0.5.23 with hsx's hook; final state after the model's "
-        "final norm) or vllm (vLLM 0.32 with hsx's KV connector; final state before it). docs/vllm.md.",
-    )
-    image: str | None = Field(
-        default=None,
-        description="Server image; defaults to the cluster's (the chart's clusterDefaults), else hsx's image of the "
-        f"engine ({', '.join(f'{k}: {v}' for k, v in DEFAULT_SERVER_IMAGES.items())}).",
-        min_length=1,
-        max_length=_STR,
-    )
-    imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] = Field(default="IfNotPresent",
-                                                                      description="When the node pulls the server image.")  # fmt: skip
-    gpus: int = Field(default=8, ge=1, le=16, description="nvidia.com/gpu limit of the server container (one pod).")
-    tensorParallel: int | None = Field(default=None, ge=1, le=16, description="Tensor-parallel size (--tp). "
-                                       "Defaults to gpus; gpus/tensorParallel is the data-parallel size.")  # fmt: skip
-    port: int = Field(default=30000, ge=1024, le=65535, description="Port the server listens on inside the pod.")
-    extraArgs: list[str] = Field(
-        default_factory=list,
-        description="Extra arguments appended to the server's command line (for example --mem-fraction-static 0.8).",
-        max_length=_LIST,
-        json_schema_extra={"items": {"type": "string", "maxLength": 1024}},
-    )
-    env: list[EnvVar] = Field(default_factory=list, description="Extra environment of the server container.",
-                              max_length=_LIST)  # fmt: skip
-    startupTimeoutSeconds: int = Field(
-        default=1800,
-        ge=10,
-        le=86400,
-        description="Budget of the server's startup probe on /health (weights loading, CUDA graphs). When it "
-        "runs out the server is killed and the run fails (ServerExited), as when the server exits before ready.",
-    )
-    resources: Resources = Field(
-        default_factory=Resources,
-        description="CPU and memory of the server container; GPUs come from gpus.",
-        json_schema_extra={"default": {}},
-    )
-    shmSize: str = Field(
-        default="16Gi",
-        description="Size of the shared-memory volume (/dev/shm) that holds NCCL buffers and the dumps waiting "
-        "for the extractor. It counts against the pod's memory.",
-        pattern=QUANTITY_PATTERN,
-        max_length=64,
-    )
-
-
 class ExtractorSpec(_Spec):
     """The hsx extractor, the pod's main container."""
 
@@ -344,6 +240,12 @@ class ExtractionJobSpec(_Spec):
                 cel(
                     _LOCK_RULE,
                     "only runId, suspend and parallelism may change; to run with other settings, change runId too",
+                    reason="FieldValueForbidden",
+                ),
+                cel(
+                    "self.server.nodes == 1 || self.runId != oldSelf.runId || self.parallelism == oldSelf.parallelism",
+                    "with server.nodes > 1 the run's groups are one JobSet, fixed for the run: change runId to "
+                    "run with another parallelism",
                     reason="FieldValueForbidden",
                 ),
                 cel(

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from hsx_operator import metrics
 from hsx_operator.desired import EXTRACTOR_CONTAINER, LABEL_XJ, Owner, label_value
+from hsx_operator.group import JOBSET_GROUP, JOBSET_NAME_LABEL, JOBSET_PLURAL, JOBSET_VERSION
 from hsx_operator.observe import Refusal
 from hsx_operator.pods import KueueView
 from hsx_operator.status import Reason
@@ -76,6 +77,7 @@ class Cluster:
     def __init__(self) -> None:
         self.core = kubernetes.client.CoreV1Api()
         self.batch = kubernetes.client.BatchV1Api()
+        self.custom = kubernetes.client.CustomObjectsApi()
         self._date: tuple[str, float] | None = None
 
     def now(self) -> datetime:
@@ -101,12 +103,36 @@ class Cluster:
             if any(r.get("uid") == owner.uid for r in j["metadata"].get("ownerReferences") or [])
         ]
 
+    def jobsets_of(self, owner: Owner) -> list[dict[str, Any]]:
+        """The owner's JobSets (runs whose server spans nodes); none where JobSet is not installed."""
+        try:
+            selector = f"{LABEL_XJ}={label_value(owner.name)}"
+            listed = self.custom.list_namespaced_custom_object(
+                JOBSET_GROUP, JOBSET_VERSION, owner.namespace, JOBSET_PLURAL, label_selector=selector,
+                _preload_content=False,
+            )  # fmt: skip
+            got = self._json(listed)
+        except ApiException as exc:
+            if exc.status not in (403, 404):  # not installed, or not granted: no run of this owner is one
+                raise
+            return []
+        return [
+            j
+            for j in got["items"]
+            if any(r.get("uid") == owner.uid for r in j["metadata"].get("ownerReferences") or [])
+        ]
+
     def create_or_read(self, owner: Owner, manifest: dict[str, Any], kind: str) -> dict[str, Any]:
         ns, name = owner.namespace, manifest["metadata"]["name"]
-        create: Any = (
-            self.batch.create_namespaced_job if kind == "Job" else self.core.create_namespaced_config_map
-        )
-        read: Any = self.batch.read_namespaced_job if kind == "Job" else self.core.read_namespaced_config_map
+        jobset = (JOBSET_GROUP, JOBSET_VERSION, ns, JOBSET_PLURAL)
+        create: Any = {
+            "Job": self.batch.create_namespaced_job,
+            "JobSet": lambda ns_, body, **kw: self.custom.create_namespaced_custom_object(*jobset, body, **kw),
+        }.get(kind, self.core.create_namespaced_config_map)
+        read: Any = {
+            "Job": self.batch.read_namespaced_job,
+            "JobSet": lambda name_, ns_, **kw: self.custom.get_namespaced_custom_object(*jobset, name_, **kw),
+        }.get(kind, self.core.read_namespaced_config_map)
         try:
             return self._json(create(ns, manifest, _preload_content=False))  # type: ignore[no-any-return]
         except ApiException as exc:
@@ -119,11 +145,11 @@ class Cluster:
             )
         return existing  # type: ignore[no-any-return]
 
-    def pods_of(self, namespace: str, job: str) -> list[dict[str, Any]]:
+    def pods_of(self, namespace: str, job: str, kind: str = "Job") -> list[dict[str, Any]]:
+        """The pods of a Job, or of every Job of a JobSet."""
+        label = JOBSET_NAME_LABEL if kind == "JobSet" else "batch.kubernetes.io/job-name"
         got = self._json(
-            self.core.list_namespaced_pod(
-                namespace, label_selector=f"batch.kubernetes.io/job-name={job}", _preload_content=False
-            )
+            self.core.list_namespaced_pod(namespace, label_selector=f"{label}={job}", _preload_content=False)
         )
         return got["items"]  # type: ignore[no-any-return]
 
@@ -160,12 +186,22 @@ class Cluster:
             return KueueView(served=True, workloads=None)
         return KueueView(served=True, workloads=tuple(got.get("items") or []))
 
-    def patch_job(self, namespace: str, name: str, body: dict[str, Any]) -> None:
-        self.batch.patch_namespaced_job(name, namespace, body)
+    def patch_job(self, namespace: str, name: str, body: dict[str, Any], kind: str = "Job") -> None:
+        if kind == "JobSet":
+            self.custom.patch_namespaced_custom_object(
+                JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, name, body
+            )
+        else:
+            self.batch.patch_namespaced_job(name, namespace, body)
 
-    def delete_job(self, namespace: str, name: str, propagation: str) -> None:
+    def delete_job(self, namespace: str, name: str, propagation: str, kind: str = "Job") -> None:
         try:
-            self.batch.delete_namespaced_job(name, namespace, propagation_policy=propagation)
+            if kind == "JobSet":
+                self.custom.delete_namespaced_custom_object(
+                    JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, name, propagation_policy=propagation
+                )
+            else:
+                self.batch.delete_namespaced_job(name, namespace, propagation_policy=propagation)
         except ApiException as exc:
             if exc.status != 404:
                 raise

@@ -23,7 +23,7 @@ from hsx_extractor.sglang_hook import launch as sglang_launch
 from hsx_extractor.storage.layout import MANIFEST_NAME
 from hsx_extractor.vllm_hook import launch as vllm_launch
 from hsx_operator.api import GROUP, KIND, VERSION, ExtractionJobSpec
-from hsx_operator.pod_settings import CA_DIR, PodSettings
+from hsx_operator.pod_settings import apply_pod_settings
 from hsx_operator.policy import under
 from hsx_operator.sizing import (
     EXTRACTOR_DEFAULT_REQUESTS,
@@ -171,8 +171,9 @@ def desired_config_map(owner: Owner, spec: ExtractionJobSpec) -> dict[str, Any]:
     }
 
 
-def server_argv(spec: ExtractionJobSpec) -> list[str]:
-    """The server's command line of extraction mode, built by the engine's own launcher.
+def server_argv(spec: ExtractionJobSpec, node_rank: int | str = 0, dist_init_addr: str | None = None) -> list[str]:
+    """The server's command line of extraction mode, built by the engine's own launcher. With
+    server.nodes > 1 it is rank ``node_rank`` of a server whose leader listens at ``dist_init_addr``.
 
     One source of truth for the flags extraction needs (docs/sglang.md, docs/vllm.md); it also
     refuses ``extraArgs`` that would override them. vLLM's is hsx's launcher, which reads the
@@ -186,7 +187,7 @@ def server_argv(spec: ExtractionJobSpec) -> list[str]:
         )  # fmt: skip
     return sglang_launch.server_args(
         spec.model.path,
-        tp,
+        tp * spec.server.nodes,  # SGLang's --tp counts every node's GPUs
         spec.server.port,
         spec.model.auxLayerIds or None,
         spec.server.extraArgs,
@@ -194,7 +195,15 @@ def server_argv(spec: ExtractionJobSpec) -> list[str]:
         # admin ones and it takes any prompt. The kubelet probes it from inside (health_probe).
         host="127.0.0.1",
         dp=spec.server.gpus // tp,
+        nodes=spec.server.nodes,
+        node_rank=node_rank,
+        dist_init_addr=dist_init_addr,
     )
+
+
+def server_command(spec: ExtractionJobSpec, node_rank: int = 0, dist_init_addr: str | None = None) -> list[str]:
+    """server_argv as a container command: literal, except the leader's address, whose $(VAR) the pod expands."""
+    return [a if a == dist_init_addr else literal_arg(a) for a in server_argv(spec, node_rank, dist_init_addr)]
 
 
 def literal_arg(arg: str) -> str:
@@ -325,8 +334,11 @@ def _resources(
     return out
 
 
-def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None = None) -> dict[str, Any]:
-    """The run's batch/v1 Job. ``suspend`` overrides the initial suspend flag (Kueue)."""
+def desired_job(
+    owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None = None, dist_init_addr: str | None = None
+) -> dict[str, Any]:
+    """The run's batch/v1 Job. ``suspend`` overrides the initial suspend flag (Kueue); ``dist_init_addr``
+    is the leader's address when its server spans nodes (group.desired_jobset)."""
     volumes, server_mounts, extractor_mounts = _volumes(spec, owner)
     gpus = str(spec.server.gpus)
     server_resources = _resources(
@@ -338,7 +350,7 @@ def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None =
         "name": SERVER_CONTAINERS[spec.server.engine],
         "image": spec.server_image(),
         "imagePullPolicy": spec.server.imagePullPolicy,
-        "command": [literal_arg(a) for a in server_argv(spec)],
+        "command": server_command(spec, 0, dist_init_addr),
         # A native sidecar: starts first, runs for the pod's life, does not block completion.
         "restartPolicy": "Always",
         "env": [
@@ -404,7 +416,7 @@ def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None =
         pod_spec["affinity"] = sched.affinity
     if sched.priorityClassName:
         pod_spec["priorityClassName"] = sched.priorityClassName
-    _apply_pod_settings(spec.pod, pod_spec, [preflight, extractor])
+    apply_pod_settings(spec.pod, pod_spec, [preflight, extractor])
     job_labels = labels(owner, spec)
     job_spec: dict[str, Any] = {
         "completionMode": "Indexed",
@@ -450,39 +462,6 @@ def desired_job(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | None =
         },
         "spec": job_spec,
     }
-
-
-def _apply_pod_settings(pod: PodSettings, pod_spec: dict[str, Any], extractors: list[dict[str, Any]]) -> None:
-    """spec.pod into the pod: identity, pull secrets, runtime class, and the CA bundle in the containers
-    that reach S3 (preflight and extractor)."""
-    if pod.serviceAccountName:
-        pod_spec["serviceAccountName"] = pod.serviceAccountName  # its API token stays unmounted
-    if pod.imagePullSecrets:
-        pod_spec["imagePullSecrets"] = [{"name": n} for n in pod.imagePullSecrets]
-    if pod.runtimeClassName:
-        pod_spec["runtimeClassName"] = pod.runtimeClassName
-    if pod.caBundleConfigMap:
-        pod_spec["volumes"].append({"name": "ca-bundle", "configMap": {"name": pod.caBundleConfigMap}})
-        for container in extractors:  # new lists: preflight was copied from the extractor, sharing them
-            mount = {"name": "ca-bundle", "mountPath": CA_DIR, "readOnly": True}
-            container["volumeMounts"] = [*container["volumeMounts"], mount]
-            container["env"] = [*container["env"], {"name": "AWS_CA_BUNDLE", "value": f"{CA_DIR}/{pod.caBundleKey}"}]
-    taken = sorted({m["mountPath"] for c in extractors for m in c["volumeMounts"]})
-    for i, extra in enumerate(pod.volumes):
-        clash = next((t for t in taken if _overlaps(extra.mountPath, t)), None)
-        if clash is not None:
-            raise ValueError(f"pod.volumes[{i}].mountPath {extra.mountPath} overlaps {clash}, where hsx mounts its own")
-        taken.append(extra.mountPath)  # nor over one another
-        pod_spec["volumes"].append({"name": f"user-{extra.name}", **extra.source()})
-        mount = {"name": f"user-{extra.name}", "mountPath": extra.mountPath, "readOnly": extra.readOnly}
-        for container in extractors:
-            container["volumeMounts"] = [*container["volumeMounts"], mount]
-
-
-def _overlaps(path: str, other: str) -> bool:
-    """One path is the other or lies inside it (whole components)."""
-    a, b = posixpath.normpath(path), posixpath.normpath(other)
-    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
 
 
 def with_queue_label(spec: ExtractionJobSpec, xj_labels: Mapping[str, str] | None) -> ExtractionJobSpec:

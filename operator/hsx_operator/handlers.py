@@ -30,11 +30,11 @@ from hsx_operator.desired import (
     MANAGER,
     Owner,
     desired_config_map,
-    desired_job,
     initial_suspend,
     job_name,
     with_queue_label,
 )
+from hsx_operator.group import desired_run, group_name, group_status, is_leader, job_view, pod_specs
 from hsx_operator.observe import Refusal, needs_job, observe
 from hsx_operator.pods import job_finished, scale_patch
 from hsx_operator.policy import NodeAccessPolicy, violations
@@ -137,8 +137,11 @@ def _reconcile(
     prior = ExtractionJobStatus.model_validate(prior_raw)
     owner = Owner(name=name, namespace=namespace, uid=uid)
     cluster = Cluster()
-    current = job_name(name, xj.runId)
-    jobs = cluster.jobs_of(owner)
+    kind = "JobSet" if xj.server.nodes > 1 else "Job"
+    current = group_name(name, xj.runId) if kind == "JobSet" else job_name(name, xj.runId)
+    jobsets = {j["metadata"]["name"]: j for j in cluster.jobsets_of(owner)}
+    # A JobSet is read as the Job it stands for (group.job_view); its own status feeds status.group.
+    jobs = cluster.jobs_of(owner) + [job_view(j) for j in jobsets.values()]
     for other in jobs:
         # A runId change supersedes the old run: stop its pods, keep its data and its finished Job.
         if (
@@ -146,13 +149,13 @@ def _reconcile(
             and not job_finished(other)
             and not other["metadata"].get("deletionTimestamp")
         ):
-            cluster.delete_job(namespace, other["metadata"]["name"], "Background")
+            cluster.delete_job(namespace, other["metadata"]["name"], "Background", other.get("kind", "Job"))
             kopf.info(
                 body,
                 reason="RunSuperseded",
                 message=f"run {other['metadata']['labels'].get(LABEL_RUN)} stopped: runId is now {xj.runId}",
             )
-    job = next((j for j in jobs if j["metadata"]["name"] == current), None)
+    job = next((j for j in jobs if j["metadata"]["name"] == current and j.get("kind", "Job") == kind), None)
     run_status = (
         prior
         if prior.observedRunId == xj.runId
@@ -160,19 +163,24 @@ def _reconcile(
     )
     refusal: Refusal | None = None
     if needs_job(run_status, job):
-        job, refusal = _create_run(cluster, owner, xj, from_defaults)
-        if job is not None:
+        created, refusal = _create_run(cluster, owner, xj, from_defaults)
+        if created is not None:
             metrics.JOBS_CREATED.inc()
-            kopf.info(body, reason="JobCreated", message=f"created Job {current} for run {xj.runId}")
+            kopf.info(body, reason="JobCreated", message=f"created {kind} {current} for run {xj.runId}")
+            if kind == "JobSet":
+                jobsets[current] = created
+                created = job_view(created)
+        job = created
     elif job is not None and not job_finished(job) and run_status.phase not in TERMINAL_PHASES:
-        if (scale := scale_patch(job, xj.parallelism)) is not None:
+        # A JobSet's groups are fixed for its run (the CRD refuses a parallelism change).
+        if kind == "Job" and (scale := scale_patch(job, xj.parallelism)) is not None:
             cluster.patch_job(namespace, current, scale)
             before = job["spec"].get("parallelism")
             job["spec"].update(scale["spec"])
             kopf.info(body, reason="Scaled", message=f"Job {current}: {before} -> {xj.parallelism} pods")
         want = True if xj.suspend else (None if xj.scheduling.queueName else False)
         if want is not None and bool(job["spec"].get("suspend")) != want:
-            cluster.patch_job(namespace, current, {"spec": {"suspend": want}})
+            cluster.patch_job(namespace, current, {"spec": {"suspend": want}}, kind)
             job["spec"]["suspend"] = want
             kopf.info(
                 body,
@@ -181,14 +189,16 @@ def _reconcile(
             )
     # A finished run's status no longer changes (observe keeps it): read nothing, poll nobody.
     watching = job is not None and run_status.phase not in TERMINAL_PHASES
-    pods = cluster.pods_of(namespace, current) if watching else []
+    every_pod = cluster.pods_of(namespace, current, kind) if watching else []
+    # The extractors and their progress are on the leaders; the other ranks only show in status.group.
+    pods = [p for p in every_pod if is_leader(p)] if kind == "JobSet" else every_pod
     events = {
         p["metadata"]["name"]: cluster.events_of(namespace, p["metadata"]["name"])
         for p in pods
         if p["status"].get("phase") == "Pending"
     }
     live = watching and job is not None and not job_finished(job)
-    job_events = cluster.events_of(namespace, current, "Job") if live else []
+    job_events = cluster.events_of(namespace, current, kind) if live else []
     polled = [p for p in pods if live]
     waits_for_kueue = (
         live
@@ -214,8 +224,10 @@ def _reconcile(
         refusal=refusal,
         kueue=kueue,
     )
+    if kind == "JobSet" and current in jobsets and outcome.status.phase not in TERMINAL_PHASES:
+        outcome.status.group = group_status(jobsets[current], every_pod, job_events, prior.group)
     if outcome.stop_job and job is not None:
-        _stop(cluster, namespace, current)
+        _stop(cluster, namespace, current, kind)
     for note in outcome.events:
         kopf.event(body, type=note.type, reason=note.reason, message=note.message)
     new = outcome.status.model_dump(mode="json")
@@ -231,14 +243,14 @@ def _create_run(
     """Create the run's ConfigMap and Job: (the Job, None), or (None, why not)."""
     try:
         config_map = desired_config_map(owner, xj)
-        manifest = annotate(desired_job(owner, xj, suspend=initial_suspend(xj)), from_defaults)
+        manifest = annotate(desired_run(owner, xj, suspend=initial_suspend(xj)), from_defaults)
     except ValueError as exc:  # the spec passed the CRD but cannot make a Job (launch.server_args' checks)
         return None, Refusal(Reason.INVALID_SPEC, f"{exc}; fix the spec and change runId", permanent=True)
-    denied = violations(manifest["spec"]["template"]["spec"], POLICY)
+    denied = [v for pod in pod_specs(manifest) for v in violations(pod, POLICY)]
     if denied:
-        message = "; ".join(denied) + "; then change runId to run again"
+        message = "; ".join(dict.fromkeys(denied)) + "; then change runId to run again"
         return None, Refusal(Reason.NOT_PERMITTED, message, permanent=True)
-    for kind, obj in (("ConfigMap", config_map), ("Job", manifest)):
+    for kind, obj in (("ConfigMap", config_map), (manifest["kind"], manifest)):
         try:
             created = cluster.create_or_read(owner, obj, kind)
         except ValidationError as exc:  # the client's own models refused it before any request
@@ -255,8 +267,12 @@ def _create_run(
     return created, None
 
 
-def _stop(cluster: Cluster, namespace: str, job: str) -> None:
-    """End a Job now, keeping it (and its pods' logs) for inspection; delete it if that is refused."""
+def _stop(cluster: Cluster, namespace: str, job: str, kind: str) -> None:
+    """End a Job now, keeping it (and its pods' logs) for inspection; delete it if that is refused. A
+    JobSet's Jobs take no deadline from it: it is deleted."""
+    if kind == "JobSet":
+        cluster.delete_job(namespace, job, "Background", kind)
+        return
     try:
         cluster.patch_job(namespace, job, {"spec": {"activeDeadlineSeconds": 1}})
     except ApiException as exc:

@@ -3,7 +3,7 @@
 The extractor never imports the operator, so this module plugs into the ``hsx`` command through the
 ``hsx.plugins`` entry point (pyproject.toml). It reads the manifest with the one model of the spec
 (:mod:`hsx_operator.api`), derives the extractor's config with the operator's own
-:func:`~hsx_operator.desired.extract_config`, and renders the Job with the same :func:`desired_job`.
+:func:`~hsx_operator.desired.extract_config`, and renders the Job (or JobSet) with the same :func:`~hsx_operator.group.desired_run`.
 Pure functions, apart from reading the file and printing.
 """
 
@@ -26,11 +26,11 @@ from hsx_operator.cluster_defaults import ClusterDefaults, annotate, read_defaul
 from hsx_operator.desired import (
     Owner,
     desired_config_map,
-    desired_job,
     extract_config,
     initial_suspend,
     with_queue_label,
 )
+from hsx_operator.group import desired_run
 from hsx_operator.policy import NodeAccessPolicy, under, violations
 
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -147,7 +147,7 @@ def rendered(owner: Owner, spec: ExtractionJobSpec, defaults: ClusterDefaults | 
     operator's own reason."""
     spec, filled = with_cluster_defaults(spec, defaults or ClusterDefaults())
     try:
-        job = annotate(desired_job(owner, spec, suspend=initial_suspend(spec)), filled)
+        job = annotate(desired_run(owner, spec, suspend=initial_suspend(spec)), filled)
         return [desired_config_map(owner, spec), job]
     except ValueError as exc:
         raise UsageError(f"the operator would refuse this spec (InvalidSpec): {exc}") from None

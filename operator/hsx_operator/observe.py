@@ -390,7 +390,7 @@ def observe(
 
     status = base.model_copy(deep=True)
     status.observedGeneration = generation
-    status.jobName = job_name(xj_name, spec.runId)
+    status.jobName = job["metadata"]["name"] if job else job_name(xj_name, spec.runId)
     _merge_reports(status, pods, progress)
     if progress:
         status.progress.lastUpdateTime = rfc3339(now)

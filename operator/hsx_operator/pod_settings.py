@@ -4,6 +4,7 @@ environment and resources."""
 
 from __future__ import annotations
 
+import posixpath
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -179,3 +180,36 @@ class Resources(_Spec):
     limits: dict[str, str] = Field(
         default_factory=dict, description="Maximum resources, by resource name.", json_schema_extra=_QUANTITIES
     )
+
+
+def apply_pod_settings(pod: PodSettings, pod_spec: dict[str, Any], extractors: list[dict[str, Any]]) -> None:
+    """spec.pod into the pod: identity, pull secrets, runtime class, and the CA bundle in the containers
+    that reach S3 (preflight and extractor)."""
+    if pod.serviceAccountName:
+        pod_spec["serviceAccountName"] = pod.serviceAccountName  # its API token stays unmounted
+    if pod.imagePullSecrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in pod.imagePullSecrets]
+    if pod.runtimeClassName:
+        pod_spec["runtimeClassName"] = pod.runtimeClassName
+    if pod.caBundleConfigMap:
+        pod_spec["volumes"].append({"name": "ca-bundle", "configMap": {"name": pod.caBundleConfigMap}})
+        for container in extractors:  # new lists: preflight was copied from the extractor, sharing them
+            mount = {"name": "ca-bundle", "mountPath": CA_DIR, "readOnly": True}
+            container["volumeMounts"] = [*container["volumeMounts"], mount]
+            container["env"] = [*container["env"], {"name": "AWS_CA_BUNDLE", "value": f"{CA_DIR}/{pod.caBundleKey}"}]
+    taken = sorted({m["mountPath"] for c in extractors for m in c["volumeMounts"]})
+    for i, extra in enumerate(pod.volumes):
+        clash = next((t for t in taken if _overlaps(extra.mountPath, t)), None)
+        if clash is not None:
+            raise ValueError(f"pod.volumes[{i}].mountPath {extra.mountPath} overlaps {clash}, where hsx mounts its own")
+        taken.append(extra.mountPath)  # nor over one another
+        pod_spec["volumes"].append({"name": f"user-{extra.name}", **extra.source()})
+        mount = {"name": f"user-{extra.name}", "mountPath": extra.mountPath, "readOnly": extra.readOnly}
+        for container in extractors:
+            container["volumeMounts"] = [*container["volumeMounts"], mount]
+
+
+def _overlaps(path: str, other: str) -> bool:
+    """One path is the other or lies inside it (whole components)."""
+    a, b = posixpath.normpath(path), posixpath.normpath(other)
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")

@@ -18,6 +18,12 @@ NAMESPACED_RULES: list[dict[str, Any]] = [
         "resources": ["jobs"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
+    # One JobSet per run whose server spans nodes (server.nodes > 1), with the same uses.
+    {
+        "apiGroups": ["jobset.x-k8s.io"],
+        "resources": ["jobsets"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
     # The extractor's config of each run (owned by the ExtractionJob, collected by the garbage collector).
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create"]},
     # Pod state and the events of pending pods explain a stuck run.

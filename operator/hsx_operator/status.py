@@ -213,6 +213,27 @@ class RunRecord(_Status):
     samplesQuarantined: int = Field(default=0, description="Of samplesDone, those quarantined.")
 
 
+class GroupPod(_Status):
+    """One pod of a group whose server spans nodes (spec.server.nodes > 1)."""
+
+    name: str = Field(description="The pod.")
+    group: int = Field(description="The group (replica) it belongs to.")
+    rank: int = Field(description="Its node rank in the group's server: 0 is the leader (server, extractor).")
+    phase: str = Field(default="", description="The pod's phase.")
+    ready: bool = Field(default=False, description="Whether its server container is ready (rank 0) or running.")
+
+
+class GroupStatus(_Status):
+    """The JobSet of a run whose server spans nodes: its pods and its restarts (a group restarts as one)."""
+
+    jobSet: str = Field(description="Name of the run's JobSet.")
+    nodes: int = Field(description="Pods per group (spec.server.nodes).")
+    restarts: int = Field(default=0, description="Times the JobSet recreated every group after a pod was lost.")
+    lastRestart: str = Field(default="", description="Why the groups last restarted (the failed Job).", max_length=4096)
+    lastRestartTime: str | None = Field(default=None, description="When.", json_schema_extra={"format": "date-time"})
+    pods: list[GroupPod] = Field(default_factory=list, description="The groups' pods now.")
+
+
 class ExtractionJobStatus(_Status):
     """What the operator observed. Written by the operator only, through the status subresource."""
 
@@ -245,7 +266,8 @@ class ExtractionJobStatus(_Status):
     message: str = Field(
         default="", description="Details of reason, for example the scheduler's message.", max_length=32768
     )
-    jobName: str = Field(default="", description="Name of this run's batch/v1 Job.")
+    jobName: str = Field(default="", description="Name of this run's batch/v1 Job (its JobSet when server.nodes > 1).")
+    group: GroupStatus | None = Field(default=None, description="The run's groups of pods, when server.nodes > 1.")
     output: OutputStatus = Field(default_factory=OutputStatus, description="Where this run's data is.")
     progress: Progress = Field(default_factory=Progress, description="Work done, summed over the pods.")
     replicas: list[ReplicaStatus] = Field(default_factory=list, description="Last progress of each replica.")

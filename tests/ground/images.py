@@ -24,8 +24,15 @@ def flag_value(command: list[str], flag: str) -> str | None:
 
 
 def reference_server_argv(container: dict[str, Any], pod: dict[str, Any]) -> list[str]:
-    """The sglang image -> hsx's CPU reference server with the same model, port and dump dir."""
+    """The sglang image -> hsx's CPU reference server with the same model, port and dump dir. A rank other
+    than 0 of a server over several nodes (SGLang cannot run one on CPU: docs/sglang.md) -> a stand-in that
+    holds the pod until it is stopped, as such a rank's scheduler does; the leader's reference server
+    serves the whole model."""
     command = list(container["command"])
+    rank = flag_value(command, "--node-rank")
+    if rank is not None and rank != "0":
+        assert flag_value(command, "--nnodes") and flag_value(command, "--dist-init-addr"), command
+        return [sys.executable, "-c", "import time; time.sleep(86400)"]
     env = {e["name"]: e.get("value", "") for e in container.get("env", [])}
     model, port, host = (flag_value(command, f) for f in ("--model-path", "--port", "--host"))
     assert model and port and host, command

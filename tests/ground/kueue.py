@@ -49,18 +49,24 @@ def manager_argv(container: dict[str, Any], pod: dict[str, Any]) -> list[str]:
 
 
 def _tls_secret(name: str, ca: CertificateAuthority) -> dict[str, Any]:
-    pair = ca.issue(name, dns_names=[f"kueue-webhook-service.{NAMESPACE}.svc"], server=True)
+    return tls_secret(name, NAMESPACE, f"kueue-webhook-service.{NAMESPACE}.svc", ca)
+
+
+def tls_secret(name: str, namespace: str, dns_name: str, ca: CertificateAuthority) -> dict[str, Any]:
+    """A serving certificate as the Secret a controller's manifests mount (cert-manager's shape)."""
+    pair = ca.issue(name, dns_names=[dns_name], server=True)
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "kubernetes.io/tls",
-        "metadata": {"name": name, "namespace": NAMESPACE},
+        "metadata": {"name": name, "namespace": namespace},
         "stringData": {"tls.crt": pair.cert_pem.decode(), "tls.key": pair.key_pem.decode()},
     }
 
 
-def manifests() -> list[dict[str, Any]]:
+def manifests(frameworks: tuple[str, ...] = ("batch/job",)) -> list[dict[str, Any]]:
     ca = CertificateAuthority("kueue-test-ca")
+    config = {**CONFIG, "integrations": {"frameworks": list(frameworks)}}
     labels = {"control-plane": "controller-manager"}
     pod_spec = {
         "serviceAccountName": "kueue-controller-manager",
@@ -112,7 +118,7 @@ def manifests() -> list[dict[str, Any]]:
             "apiVersion": "v1",
             "kind": "ConfigMap",
             "metadata": {"name": "kueue-manager-config", "namespace": NAMESPACE},
-            "data": {"controller_manager_config.yaml": yaml.safe_dump(CONFIG)},
+            "data": {"controller_manager_config.yaml": yaml.safe_dump(config)},
         },
         _tls_secret("kueue-webhook-server-cert", ca),
         _tls_secret("kueue-metrics-server-cert", ca),
@@ -138,16 +144,19 @@ def _available(cluster: Any) -> bool:
 
 
 @contextlib.contextmanager
-def kueue_installed(cluster: Any, node_agent: Any, timeout_s: float = 180) -> Iterator[None]:
+def kueue_installed(
+    cluster: Any, node_agent: Any, timeout_s: float = 180, frameworks: tuple[str, ...] = ("batch/job",)
+) -> Iterator[None]:
     """Kueue's CRDs and controller manager, Ready; everything of it removed afterwards (CRDs included:
-    other tests check hsx on a cluster without Kueue)."""
+    other tests check hsx on a cluster without Kueue). ``frameworks`` are the integrations it manages
+    (a framework's CRD, JobSet's for jobset.x-k8s.io/jobset, must be installed before)."""
     crds = kueue_dir() / "crds"
     node_agent.register_image("registry.k8s.io/kueue/kueue:*", manager_argv)
     try:
         cluster.kubectl("apply", "--server-side", "-f", str(crds))
         for path in sorted(crds.glob("*.yaml")):
             cluster.wait_crd_established(yaml.safe_load(path.read_text())["metadata"]["name"])
-        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(manifests()))
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(manifests(frameworks)))
         try:
             wait_for(lambda: _available(cluster), timeout_s, "Kueue's controller manager to be available", 1.0)
         except AssertionError as exc:
@@ -159,13 +168,13 @@ def kueue_installed(cluster: Any, node_agent: Any, timeout_s: float = 180) -> It
             "delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true", "--timeout=100s", check=False
         )
         cluster.kubectl("delete", "clusterrolebinding", "kueue-test-manager", "--ignore-not-found", check=False)
-        _release_leftovers(cluster, crds)
+        release_leftovers(cluster, crds)
         cluster.kubectl("delete", "-f", str(crds), "--ignore-not-found", "--wait=true", "--timeout=100s", check=False)
         node_agent.unregister_image("registry.k8s.io/kueue/kueue:*")
 
 
-def _release_leftovers(cluster: Any, crds: Path) -> None:
-    """Kueue puts finalizers on its objects that only its (now stopped) manager removes; a CRD is not
+def release_leftovers(cluster: Any, crds: Path) -> None:
+    """Kueue (and JobSet) put finalizers on its objects that only its (now stopped) manager removes; a CRD is not
     deleted while an object of it remains, so strip them."""
     for path in sorted(crds.glob("*.yaml")):
         crd = yaml.safe_load(path.read_text())

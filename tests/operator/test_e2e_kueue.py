@@ -34,9 +34,9 @@ FLAVOR, CLUSTER_QUEUE, QUEUE = "hsx-test-flavor", "hsx-test-cq", "team-a"
 PRIORITIES = {"hsx-test-low": 100, "hsx-test-high": 1000}
 
 
-def quota_objects(namespace: str) -> list[dict[str, Any]]:
-    """One GPU of quota; within the ClusterQueue a higher-priority Workload preempts a lower one."""
-    resources = {"cpu": "64", "memory": "512Gi", "nvidia.com/gpu": "1", "ephemeral-storage": "1Ti"}
+def quota_objects(namespace: str, gpus: int = 1) -> list[dict[str, Any]]:
+    """``gpus`` GPUs of quota; within the ClusterQueue a higher-priority Workload preempts a lower one."""
+    resources = {"cpu": "64", "memory": "512Gi", "nvidia.com/gpu": str(gpus), "ephemeral-storage": "1Ti"}
     return [
         *(
             {

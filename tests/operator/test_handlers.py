@@ -47,13 +47,16 @@ class FakeCluster:
     def jobs_of(self, owner: Any) -> list[dict[str, Any]]:
         return self.jobs
 
+    def jobsets_of(self, owner: Any) -> list[dict[str, Any]]:
+        return []
+
     def create_or_read(self, owner: Any, manifest: dict[str, Any], kind: str) -> dict[str, Any]:
         self.calls.append(f"create {kind}")
         if kind == "Job" and self.refuse is not None:
             raise self.refuse
         return {**manifest, "status": {}}
 
-    def pods_of(self, namespace: str, job: str) -> list[dict[str, Any]]:
+    def pods_of(self, namespace: str, job: str, kind: str = "Job") -> list[dict[str, Any]]:
         self.calls.append("pods")
         return self.pods if self.pods is not None else [pod_json(server=SERVER_READY, extractor=EXTRACTOR_RUNNING)]
 

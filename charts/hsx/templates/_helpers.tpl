@@ -81,6 +81,10 @@ release's own namespace, else [] for all namespaces (rbac.namespaced=false, a Cl
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# One JobSet per run whose server spans nodes (server.nodes > 1); same verbs as for Jobs.
+- apiGroups: ["jobset.x-k8s.io"]
+  resources: ["jobsets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The extractor's config for each run.
 - apiGroups: [""]
   resources: ["configmaps"]

@@ -180,7 +180,8 @@ def server_args(
 
 
 _ENV_REFERENCE = re.compile(r"^\$\([A-Z_][A-Z0-9_]*\)$")
-_HOST_PORT = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})?:\d{1,5}$")
+# host:port; the host may hold $(VAR) references the pod expands (a group's leader, by its index).
+_HOST_PORT = re.compile(r"^(?:[A-Za-z0-9.-]|\$\([A-Z_][A-Z0-9_]*\)){1,253}:\d{1,5}$")
 
 
 def _node_group(nodes: int, node_rank: int | str, dist_init_addr: str | None) -> list[str]:

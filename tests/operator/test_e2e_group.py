@@ -1,0 +1,136 @@
+"""Runs whose server spans nodes (server.nodes > 1) under JobSet's real controller (v0.11.1, built from its Go module,
+tests/ground/jobset.py) and Kueue's (v0.17.0, with its JobSet integration).
+
+SGLang 0.5.23 cannot run a server over two CPU processes (docs/sglang.md), so each group's leader runs hsx's CPU
+reference server and its other rank a stand-in that holds its pod as a rank's scheduler does (tests/ground/images.py).
+What is under test is the group's lifecycle: one JobSet per run, a lost worker pod recreating every group (the run
+resuming with no sample lost or written twice, status.group saying why), and Kueue admitting or holding a group as
+a whole.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hsx_operator.group import JOBSET_NAME_LABEL, REPLICATED_JOB_LABEL
+from tests.ground.jobset import jobset_installed
+from tests.ground.kueue import kueue_installed
+from tests.operator.conftest import OperatorProcess, wait_for
+from tests.operator.e2e import SLOW, phase, run_store, start_slow_run, verify
+from tests.operator.kube_helpers import Namespace, xj_manifest
+from tests.operator.test_e2e_kueue import own_output, quota_objects
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+TWO_NODES = {"nodes": 2, "gpus": 1}
+
+
+def group_pods(ns: Namespace, jobset: str) -> list[dict[str, Any]]:
+    return [p for p in ns.items("pods", f"{JOBSET_NAME_LABEL}={jobset}") if not p["metadata"].get("deletionTimestamp")]
+
+
+def rank_of(pod: dict[str, Any]) -> str:
+    return str(pod["metadata"]["labels"][REPLICATED_JOB_LABEL])
+
+
+@pytest.fixture
+def jobset(ns: Namespace, node_agent: Any) -> Iterator[None]:
+    with jobset_installed(ns.cluster, node_agent):
+        try:
+            yield
+        finally:
+            ns.kubectl("delete", "jobsets.jobset.x-k8s.io", "--all", "--wait=true", "--timeout=60s", check=False)
+
+
+def test_a_lost_worker_recreates_the_group_and_the_run_resumes_exactly_once(
+    ns: Namespace,
+    run_env: dict[str, Any],
+    long_dataset: Path,
+    jobset: None,
+    start_operator: Callable[[], OperatorProcess],
+    hsx_node: Any,
+) -> None:
+    op = start_operator()
+    env = own_output({**run_env, "dataset": long_dataset}, "group")
+    run_dir = start_slow_run(ns, "big", env, server={**SLOW["server"], **TWO_NODES})
+    assert ns.get("job", "big-r1") is None  # one JobSet, no Job of hsx's own
+    pods = wait_for(lambda: len(group_pods(ns, "big-r1")) == 2 and group_pods(ns, "big-r1"), 60, "both ranks")
+    assert sorted(rank_of(p) for p in pods) == ["leader", "rank-1"]
+    worker = next(p for p in pods if rank_of(p) == "rank-1")
+    argv = worker["spec"]["containers"][0]["command"]
+    assert argv[argv.index("--node-rank") + 1] == "1" and argv[argv.index("--nnodes") + 1] == "2"
+    assert argv[argv.index("--dist-init-addr") + 1] == "big-r1-leader-0-$(JOB_COMPLETION_INDEX).big-r1:20000"
+    assert [c["name"] for c in worker["spec"]["containers"]] == ["sglang"] and not worker["spec"].get("initContainers")
+    status = wait_for(lambda: (ns.status("big").get("group") or {}).get("pods") and ns.status("big"), 60, "status.group")
+    assert status["group"]["jobSet"] == "big-r1" and status["group"]["nodes"] == 2, status["group"]
+
+    # The worker rank is lost: its Job fails, JobSet recreates every Job of the run, the extractor resumes.
+    ns.kubectl("delete", "pod", worker["metadata"]["name"], "--grace-period=0", "--force", "--wait=false")
+    restarted = wait_for(
+        lambda: (ns.status("big").get("group") or {}).get("restarts", 0) >= 1 and ns.status("big"),
+        180,
+        "the group to restart",
+    )
+    assert "big-r1-rank-1-0" in restarted["group"]["lastRestart"], restarted["group"]
+    done = wait_for(phase(ns, "big", "Succeeded", "Failed"), 480, "the run to end")
+    assert done["phase"] == "Succeeded", (done, op.tail())
+    assert done["group"] is None or done["group"]["restarts"] >= 1
+    report = verify(run_dir)
+    rows = len(long_dataset.read_bytes().splitlines())
+    assert report["ok"] and report["duplicates"] == 0, report
+    assert report["samples"] + report["quarantined"] == rows, report
+    store = run_store(env["output"], "r1")
+    assert len(store.committed_shards()) == len(json.loads((run_dir / "plan.json").read_text())["shards"])
+    events = " ".join(ns.event_reasons("big"))
+    assert "JobCreated" in events
+
+
+@pytest.fixture
+def kueue_with_jobset(ns: Namespace, node_agent: Any, jobset: None) -> Iterator[None]:
+    with kueue_installed(ns.cluster, node_agent, frameworks=("batch/job", "jobset.x-k8s.io/jobset")):
+        objects = quota_objects(ns.name, gpus=2)
+        ns.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))
+        try:
+            yield
+        finally:
+            ns.kubectl("delete", "jobsets.jobset.x-k8s.io", "--all", "--wait=true", "--timeout=60s", check=False)
+            ns.kubectl("delete", "workloads.kueue.x-k8s.io", "--all", "--wait=true", "--timeout=60s", check=False)
+            ns.cluster.kubectl(
+                "delete", "-f", "-", "--ignore-not-found", "--wait=true", "--timeout=60s",
+                input=yaml.safe_dump_all(objects), check=False,
+            )  # fmt: skip
+
+
+def test_kueue_admits_a_group_whole_and_holds_the_next_one_whole(
+    ns: Namespace,
+    run_env: dict[str, Any],
+    long_dataset: Path,
+    kueue_with_jobset: None,
+    start_operator: Callable[[], OperatorProcess],
+    hsx_node: Any,
+) -> None:
+    """Two GPUs of quota, two runs of one 2-node group each (a GPU per pod): the first is admitted with both its
+    pods, the second waits with none (never one pod of it alone) and runs once the first is done."""
+    start_operator()
+    first_env = own_output({**run_env, "dataset": long_dataset}, "first")
+    start_slow_run(ns, "first", first_env, server={**SLOW["server"], **TWO_NODES}, scheduling={"queueName": "team-a"})
+    assert len(group_pods(ns, "first-r1")) == 2
+    second_env = own_output(run_env, "second")
+    ns.apply(xj_manifest("second", "r1", **second_env, server=TWO_NODES, scheduling={"queueName": "team-a"}))
+    held = wait_for(lambda: ns.status("second").get("reason") == "Queued" and ns.status("second"), 120, "Queued")
+    assert held["phase"] == "Suspended" and "Kueue holds" in held["message"], held
+    first = ns.status("first")
+    if first.get("phase") == "Running":  # while the first group holds the quota, no pod of the second exists
+        assert group_pods(ns, "second-r1") == [], "a pod of a held group was created"
+    done = wait_for(phase(ns, "first", "Succeeded", "Failed"), 480, "the first run to end")
+    assert done["phase"] == "Succeeded", done
+    second = wait_for(phase(ns, "second", "Succeeded", "Failed"), 300, "the second run to end")
+    assert second["phase"] == "Succeeded", second
+    report = verify(second_env["output"] / "r1")
+    assert report["ok"] and report["duplicates"] == 0, report
