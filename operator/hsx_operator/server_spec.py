@@ -71,6 +71,12 @@ class ServerSpec(_Spec):
                     "the dumps waiting for the extractor need extractor.dumpDirMaxBytes of it",
                 ),
                 cel(
+                    "self.nodes == 1 || !has(self.tensorParallel) || self.tensorParallel == self.gpus",
+                    "with server.nodes > 1 the server is one tensor-parallel group over every node's GPUs: leave "
+                    "server.tensorParallel unset or equal to server.gpus (a data-parallel replica on a worker node "
+                    "would write its dumps where no extractor reads; use parallelism for more groups)",
+                ),
+                cel(
                     f"!{IS_VLLM} || self.nodes == 1",
                     "server.nodes > 1 needs server.engine sglang: vLLM 0.32 spans nodes only through a Ray "
                     "cluster, which hsx does not run (docs/operator-design.md)",

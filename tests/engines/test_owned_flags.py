@@ -14,7 +14,6 @@ from hsx_extractor.sglang_hook.launch import (
     REFUSED_FLAGS,
     extra_args_problem,
     refused_extra_arg,
-    server_args,
 )
 
 # Builds SGLang's parser as `sglang serve` does and reports its flags by destination, and what argparse
@@ -89,19 +88,31 @@ p = argparse.ArgumentParser(prog="probe")
 ServerArgs.add_cli_args(p)
 ns = p.parse_args(sys.argv[1:])
 print(json.dumps({k: getattr(ns, k) for k in ("model_path", "tp_size", "nnodes", "node_rank", "dist_init_addr",
-                                               "enable_return_aux_hidden_states", "disable_radix_cache")}))
+                                               "enable_return_aux_hidden_states", "disable_radix_cache",
+                                               "served_model_name")}))
 """
 
 
 def test_a_group_launch_parses_as_sglang_reads_it(sglang_venv: Path) -> None:
-    """Issue 37: the argv of each pod of a 2-node server, read by the release's own parser (SGLang's CPU path
-    cannot run tensor parallelism here, so this and the pure tests are what proves the launch)."""
-    for rank in (0, 1):
-        argv = server_args("/models/big", 16, 30000, nodes=2, node_rank=rank, dist_init_addr="xj-g-0.xj:20000")
+    """Issue 37: the command of each rank's pod in the operator's JobSet, expanded as the kubelet expands it for
+    group 1, read by the release's own parser (SGLang's CPU path cannot run tensor parallelism here, so this and
+    the pure tests are what proves the launch)."""
+    from hsx_operator.desired import Owner
+    from hsx_operator.group import desired_jobset
+    from tests.ground.podspec import expand_refs
+    from tests.operator.helpers import make_spec
+
+    spec = make_spec(server={"nodes": 2, "gpus": 8, "extraArgs": ["--served-model-name", "a$(B)"]}, parallelism=2)
+    jobset = desired_jobset(Owner("xj", "ns", "u"), spec)
+    for rank, rjob in enumerate(jobset["spec"]["replicatedJobs"]):
+        pod = rjob["template"]["spec"]["template"]["spec"]
+        (server,) = [c for c in pod.get("initContainers", []) + pod["containers"] if c["name"] == "sglang"]
+        argv = [expand_refs(a, {"JOB_COMPLETION_INDEX": "1"}) for a in server["command"]]
         done = subprocess.run([str(sglang_venv / "bin" / "python"), "-c", _PARSE, *argv[3:]],
                               capture_output=True, text=True, timeout=300)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         assert json.loads(done.stdout.strip().splitlines()[-1]) == {
-            "model_path": "/models/big", "tp_size": 16, "nnodes": 2, "node_rank": rank,
-            "dist_init_addr": "xj-g-0.xj:20000", "enable_return_aux_hidden_states": True, "disable_radix_cache": True,
+            "model_path": "/models/tiny", "tp_size": 16, "nnodes": 2, "node_rank": rank,
+            "dist_init_addr": "xj-r1-leader-0-1.xj-r1:20000", "enable_return_aux_hidden_states": True,
+            "disable_radix_cache": True, "served_model_name": "a$(B)",
         }  # fmt: skip

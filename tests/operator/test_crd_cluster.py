@@ -247,6 +247,13 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "server.engine vllm runs one tensor-parallel group per pod",
     ),
     ("vllm-post-norm", _vllm_post_norm(), "model.finalState post-norm needs server.engine sglang"),
+    ("vllm-nodes", _with("server", {"engine": "vllm", "nodes": 2}), "server.nodes > 1 needs server.engine sglang"),
+    (
+        "nodes-data-parallel",
+        _with("server", {"nodes": 2, "gpus": 8, "tensorParallel": 4}),
+        "with server.nodes > 1 the server is one tensor-parallel group",
+    ),
+    ("nodes-nine", _with("server", {"nodes": 9}), "spec.server.nodes: Invalid value"),
     ("no-spec", {k: v for k, v in VALID.items() if k != "spec"}, "spec: Required value"),
     ("continue-from-itself", _with("continueFrom", "r1"), "continueFrom names an earlier runId"),
     ("pod-label-long-value", _with("pod", {"labels": {"team": "x" * 64}}), "spec.pod.labels.team: Too long"),
@@ -315,6 +322,20 @@ def test_cross_field_rules_let_sound_specs_through(xj_crd: Any, namespace: str) 
     doc["spec"]["generation"] = {"turns": "each", "maxNewTokens": 512, "temperature": 0.7, "topP": 0.9, "seed": 1,
                                  "stop": ["</answer>"], "onTruncated": "keep"}  # fmt: skip
     xj_crd.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(doc))
+    # A server over two nodes.
+    doc["metadata"]["name"] = "xj-group"
+    doc["spec"]["server"] = {"nodes": 2, "gpus": 8, "shmSize": "24Gi"}
+    xj_crd.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(doc))
+
+
+def test_a_groups_parallelism_is_fixed_for_its_run(xj_crd: Any, namespace: str) -> None:
+    """A one-pod run's parallelism moves mid-run (the fleet leases shards); a run of groups is one JobSet."""
+    doc = _with("server", {"nodes": 2})
+    xj_crd.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(doc))
+    patch = ["patch", "xj", "xj", "-n", namespace, "--type=merge", "-p"]
+    refused = xj_crd.kubectl(*patch, '{"spec":{"parallelism":2}}', check=False)
+    assert refused.returncode != 0 and "the run's groups are one JobSet, fixed for the run" in refused.stderr
+    xj_crd.kubectl(*patch, '{"spec":{"parallelism":2,"runId":"r2"}}')
 
 
 def test_there_are_at_least_twenty_kinds() -> None:

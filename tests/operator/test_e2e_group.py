@@ -125,9 +125,14 @@ def test_kueue_admits_a_group_whole_and_holds_the_next_one_whole(
     ns.apply(xj_manifest("second", "r1", **second_env, server=TWO_NODES, scheduling={"queueName": "team-a"}))
     held = wait_for(lambda: ns.status("second").get("reason") == "Queued" and ns.status("second"), 120, "Queued")
     assert held["phase"] == "Suspended" and "Kueue holds" in held["message"], held
-    first = ns.status("first")
-    if first.get("phase") == "Running":  # while the first group holds the quota, no pod of the second exists
-        assert group_pods(ns, "second-r1") == [], "a pod of a held group was created"
+    # One Workload per run, its pod sets the group's ranks, admitted whole; the held run has no pod at all.
+    workloads = {w["metadata"]["ownerReferences"][0]["name"]: w for w in ns.items("workloads.kueue.x-k8s.io")}
+    first_wl, second_wl = workloads["first-r1"], workloads["second-r1"]
+    assert [(p["name"], p["count"]) for p in first_wl["spec"]["podSets"]] == [("leader", 1), ("rank-1", 1)]
+    assert (first_wl["status"].get("admission") or {}).get("podSetAssignments"), first_wl["status"]
+    assert not second_wl["status"].get("admission"), second_wl["status"]
+    assert ns.status("first")["phase"] == "Running"  # SLOW: still holding the quota
+    assert group_pods(ns, "second-r1") == [], "a pod of a held group was created"
     done = wait_for(phase(ns, "first", "Succeeded", "Failed"), 480, "the first run to end")
     assert done["phase"] == "Succeeded", done
     second = wait_for(phase(ns, "second", "Succeeded", "Failed"), 300, "the second run to end")
