@@ -442,7 +442,11 @@ def desired_job(
             "metadata": {
                 # The user's own first: hsx's keys always win (the CRD refuses user keys with its prefixes).
                 "labels": {**spec.pod.labels, **job_labels},
-                "annotations": {**spec.pod.annotations, "kubectl.kubernetes.io/default-container": EXTRACTOR_CONTAINER},
+                "annotations": {
+                    **spec.pod.annotations,
+                    **spec.scheduling.topology_annotations(),
+                    "kubectl.kubernetes.io/default-container": EXTRACTOR_CONTAINER,
+                },
             },
             "spec": pod_spec,
         },

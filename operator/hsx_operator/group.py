@@ -42,6 +42,7 @@ JOBSET_PLURAL = "jobsets"
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
 LEADER = "leader"
+KUEUE_GROUP_ANNOTATION = "kueue.x-k8s.io/podset-group-name"
 # SGLang's torch.distributed rendezvous on the leader (the port LeaderWorkerSet's SGLang example uses).
 DIST_INIT_PORT = 20000
 # Pod hostnames are <jobset>-rank-<r>-0-<g>: room for "-rank-7-0-" and a group index of 2 digits.
@@ -81,6 +82,9 @@ def desired_jobset(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | Non
     suspended = bool(leader_job.pop("suspend"))
     ttl = leader_job.pop("ttlSecondsAfterFinished", None)
     leader_job.pop("podReplacementPolicy")  # a Job of backoffLimit 0 never replaces a pod
+    if spec.scheduling.topology is not None and spec.server.nodes == 2 and spec.parallelism == 1:
+        # Kueue puts a group of pod sets in one domain only for exactly two, one of a single pod: this one.
+        leader_job["template"]["metadata"]["annotations"][KUEUE_GROUP_ANNOTATION] = LEADER
     # The Jobs carry no hsx labels of their own (their pods do): the operator finds a run by its JobSet.
     replicated = [{"name": LEADER, "replicas": 1, "template": {"spec": leader_job}}]
     for rank in range(1, spec.server.nodes):
@@ -120,7 +124,7 @@ def _rank_job(
 ) -> dict[str, Any]:
     """Rank ``rank`` of every group: the leader's pod with its server alone, as the main container, and no
     probes (only rank 0 serves HTTP)."""
-    pod = copy.deepcopy(leader_job["template"])
+    pod = copy.deepcopy(leader_job["template"])  # its annotations too: Kueue's topology request, its group
     worker = {
         k: copy.deepcopy(v)
         for k, v in server.items()

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hsx_operator.cel import cel
+
 LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 _LIST = 64
 
@@ -33,8 +35,33 @@ class Toleration(_Spec):
     )
 
 
+KUEUE_ANNOTATION_PREFIX = "kueue.x-k8s.io/"
+
+
+class TopologyRequest(_Spec):
+    """One topology domain for the pods (Kueue's podset-required-topology or podset-preferred-topology)."""
+
+    level: str = Field(
+        description="The node label naming the level's domains, for example cloud.provider.com/topology-rack.",
+        min_length=1,
+        max_length=316,
+        pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+    )
+    mode: Literal["Required", "Preferred"] = Field(
+        default="Required", description="Required: wait for one domain with room; Preferred: fall back to several."
+    )
+
+
 class SchedulingSpec(_Spec):
     """Where the pods may run and how they are queued."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("!has(self.topology) || has(self.queueName)", "scheduling.topology is Kueue's: set scheduling.queueName too"),
+            ]
+        }
+    )
 
     nodeSelector: dict[str, str] = Field(
         default_factory=dict,
@@ -59,3 +86,15 @@ class SchedulingSpec(_Spec):
         max_length=63,
         pattern=LABEL_VALUE_PATTERN,
     )
+    topology: TopologyRequest | None = Field(
+        default=None,
+        description="Kueue topology-aware scheduling: the topology level (a node label of the cluster's Kueue "
+        "Topology, for example a rack's) whose one domain holds each pod set. With server.nodes 2 and "
+        "parallelism 1 the group's two pod sets share that one domain. Needs scheduling.queueName.",
+    )
+
+    def topology_annotations(self) -> dict[str, str]:
+        """What Kueue reads from each pod template (its podset-*-topology annotations)."""
+        if self.topology is None:
+            return {}
+        return {f"{KUEUE_ANNOTATION_PREFIX}podset-{self.topology.mode.lower()}-topology": self.topology.level}

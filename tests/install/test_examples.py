@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from hsx_operator.api import ExtractionJobSpec
-from hsx_operator.desired import Owner, desired_job
+from hsx_operator.desired import Owner
+from hsx_operator.group import desired_run, pod_specs
 from hsx_operator.policy import NodeAccessPolicy, violations
 from tests.install.chart import CHART, ROOT
 
@@ -41,6 +42,7 @@ def test_the_promised_examples_exist() -> None:
         "data-parallel.yaml": ["ExtractionJob"],
         "kimi-k2.5-production.yaml": ["ExtractionJob"],
         "minimal.yaml": ["ExtractionJob"],
+        "multi-node.yaml": ["ExtractionJob"],
         "quickstart.yaml": ["ExtractionJob"],
         "s3-credentials-secret.yaml": ["Secret"],
     }
@@ -62,6 +64,18 @@ def test_data_parallel_example_is_data_parallel() -> None:
     assert spec.parallelism > 1 and spec.server.gpus // spec.tensor_parallel() > 1
 
 
+def test_multi_node_example_is_one_group_kueue_places_in_one_domain() -> None:
+    """Kueue groups exactly two pod sets (one of a single pod) into one topology domain: a group of two nodes."""
+    (xj,) = documents(ROOT / "examples" / "multi-node.yaml")
+    spec = ExtractionJobSpec.model_validate(xj["spec"])
+    jobset = desired_run(Owner(name=xj["metadata"]["name"], namespace="ml", uid="u"), spec)
+    assert jobset["kind"] == "JobSet" and spec.server.nodes == 2 and spec.parallelism == 1
+    for rjob in jobset["spec"]["replicatedJobs"]:
+        annotations = rjob["template"]["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["kueue.x-k8s.io/podset-group-name"] == "leader"
+        assert annotations["kueue.x-k8s.io/podset-required-topology"] == "cloud.provider.com/topology-rack"
+
+
 def test_examples_use_the_secret_template_name() -> None:
     (secret,) = documents(ROOT / "examples" / "s3-credentials-secret.yaml")
     assert set(secret["stringData"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
@@ -78,8 +92,8 @@ def test_examples_run_under_the_charts_default_policy() -> None:
             if doc["kind"] == "ExtractionJob":
                 spec = ExtractionJobSpec.model_validate(doc["spec"])
                 owner = Owner(name=doc["metadata"]["name"], namespace="ml", uid="u")
-                pod = desired_job(owner, spec)["spec"]["template"]["spec"]
-                assert violations(pod, NodeAccessPolicy()) == [], path.name
+                for pod in pod_specs(desired_run(owner, spec)):
+                    assert violations(pod, NodeAccessPolicy()) == [], path.name
 
 
 @pytest.fixture(scope="module")

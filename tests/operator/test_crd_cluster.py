@@ -253,6 +253,7 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         _with("server", {"nodes": 2, "gpus": 8, "tensorParallel": 4}),
         "with server.nodes > 1 the server is one tensor-parallel group",
     ),
+    ("topology-without-queue", _with("scheduling", {"topology": {"level": "example.com/rack"}}), "set scheduling.queueName too"),
     ("nodes-nine", _with("server", {"nodes": 9}), "spec.server.nodes: Invalid value"),
     ("no-spec", {k: v for k, v in VALID.items() if k != "spec"}, "spec: Required value"),
     ("continue-from-itself", _with("continueFrom", "r1"), "continueFrom names an earlier runId"),

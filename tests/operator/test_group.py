@@ -163,3 +163,21 @@ def test_group_status_lists_each_groups_ranks_and_says_why_the_groups_restarted(
     assert kept.lastRestart == restart["message"]
     other = group_status(jobset_json(), pods, [], GroupStatus(jobSet="big-r0", nodes=2, lastRestart="x"))
     assert other.lastRestart == ""
+
+
+def test_kueue_topology_places_each_pod_set_and_groups_the_two_of_a_two_node_group() -> None:
+    rack = {"queueName": "q", "topology": {"level": "example.com/rack"}}
+    two = jobset(nodes=2, parallelism=1, scheduling=rack)
+    for rjob in two["spec"]["replicatedJobs"]:
+        annotations = rjob["template"]["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["kueue.x-k8s.io/podset-required-topology"] == "example.com/rack"
+        assert annotations["kueue.x-k8s.io/podset-group-name"] == "leader"
+    # Kueue groups exactly two pod sets, one of them a single pod: three ranks, or two groups, are not that.
+    for nodes, parallelism in ((3, 1), (2, 2)):
+        js = jobset(nodes=nodes, parallelism=parallelism, scheduling={**rack, "topology": {"level": "r", "mode": "Preferred"}})
+        for rjob in js["spec"]["replicatedJobs"]:
+            annotations = rjob["template"]["spec"]["template"]["metadata"]["annotations"]
+            assert annotations["kueue.x-k8s.io/podset-preferred-topology"] == "r"
+            assert "kueue.x-k8s.io/podset-group-name" not in annotations
+    single = desired_job(OWNER, make_spec(scheduling=rack))["spec"]["template"]["metadata"]["annotations"]
+    assert single["kueue.x-k8s.io/podset-required-topology"] == "example.com/rack"
