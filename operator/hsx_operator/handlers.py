@@ -334,10 +334,10 @@ def on_delete(**kwargs: Any) -> None:
     name, namespace, uid = kwargs["name"], kwargs["namespace"], kwargs["uid"]
     cluster = Cluster()
     owner = Owner(name=name, namespace=namespace, uid=uid)
-    jobs = cluster.jobs_of(owner)
+    jobs = [*cluster.jobs_of(owner), *({**j, "kind": "JobSet"} for j in cluster.jobsets_of(owner))]
     for job in jobs:
         if not job["metadata"].get("deletionTimestamp"):
-            cluster.delete_job(namespace, job["metadata"]["name"], "Foreground")
+            cluster.delete_job(namespace, job["metadata"]["name"], "Foreground", job.get("kind", "Job"))
     metrics.record_phase(uid, None)
     if jobs:
-        raise kopf.TemporaryError(f"waiting for {len(jobs)} Job(s) and their pods to go", delay=2)
+        raise kopf.TemporaryError(f"waiting for {len(jobs)} Job(s) or JobSet(s) and their pods to go", delay=2)

@@ -87,8 +87,11 @@ def test_a_lost_worker_recreates_the_group_and_the_run_resumes_exactly_once(
     assert report["samples"] + report["quarantined"] == rows, report
     store = run_store(env["output"], "r1")
     assert len(store.committed_shards()) == len(json.loads((run_dir / "plan.json").read_text())["shards"])
-    events = " ".join(ns.event_reasons("big"))
-    assert "JobCreated" in events
+    assert "JobCreated" in ns.event_reasons("big")
+    # Deleting the ExtractionJob removes its JobSet (the finalizer waits for it); the data stays.
+    ns.kubectl("delete", "xj", "big", "--wait=true", "--timeout=120s")
+    assert ns.get("jobset.jobset.x-k8s.io", "big-r1") is None
+    assert (run_dir / "manifest.json").exists()
 
 
 @pytest.fixture
