@@ -30,7 +30,7 @@ from hsx_operator.desired import (
     initial_suspend,
     with_queue_label,
 )
-from hsx_operator.group import desired_run
+from hsx_operator.group import desired_run, pod_specs
 from hsx_operator.policy import NodeAccessPolicy, under, violations
 
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -163,8 +163,9 @@ def cmd_render(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     objects = rendered(owner, spec, defaults)
     # The operator's default node-access policy; an admin's --allow-host-path may permit more.
-    for why in violations(objects[1]["spec"]["template"]["spec"], NodeAccessPolicy()):
-        print(f"hsx render: warning: the operator's default policy refuses this Job: {why}", file=sys.stderr)
+    refused = [why for pod in pod_specs(objects[1]) for why in violations(pod, NodeAccessPolicy())]
+    for why in dict.fromkeys(refused):
+        print(f"hsx render: warning: the operator's default policy refuses this {objects[1]['kind']}: {why}", file=sys.stderr)
     sys.stdout.write(yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False))
     return EXIT_OK
 

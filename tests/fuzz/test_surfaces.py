@@ -24,7 +24,8 @@ from hsx_extractor.storage.manifest import Capture, ManifestError
 from hsx_extractor.storage.shard_format import ShardFormatError
 from hsx_extractor.storage.store import open_store
 from hsx_operator.api import ExtractionJobSpec
-from hsx_operator.desired import Owner, desired_config_map, desired_job
+from hsx_operator.desired import Owner, desired_config_map
+from hsx_operator.group import desired_run, pod_specs
 from hsx_operator.pods import parse_report
 from hsx_operator.policy import NodeAccessPolicy, violations
 from tests.fuzz.strategies import TEXT, chat_rows, json_values
@@ -133,7 +134,8 @@ SPEC_FIELDS = [
     ("server", "port"), ("server", "env"), ("server", "engine"), ("extractor", "progressPort"),
     ("dataset", "uri"), ("dataset", "maxLength"), ("output", "uri"), ("output", "shardTargetBytes"),
     ("scheduling", "tolerations"), ("scheduling", "nodeSelector"), ("scheduling", "affinity"),
-    ("pod", "labels"), ("pod", "caBundleConfigMap"), ("concurrency",), ("continueFrom",),
+    ("pod", "labels"), ("pod", "caBundleConfigMap"), ("concurrency",), ("continueFrom",), ("server", "nodes"),
+    ("scheduling", "topology"),
 ]  # fmt: skip
 
 
@@ -155,9 +157,10 @@ def test_any_spec_makes_a_job_or_a_typed_refusal(changes: list[tuple[tuple[str, 
         return
     owner = Owner(name="xj", namespace="ml", uid="u")
     try:
-        job = desired_job(owner, spec)
+        job = desired_run(owner, spec)  # a Job, or a JobSet when server.nodes > 1
         desired_config_map(owner, spec)
     except ValueError:  # the launchers' refusals: the operator's InvalidSpec
         return
-    violations(job["spec"]["template"]["spec"], NodeAccessPolicy())
+    for pod in pod_specs(job):
+        violations(pod, NodeAccessPolicy())
     json.dumps(job, allow_nan=False)  # what the API server gets is plain JSON

@@ -22,7 +22,7 @@ from hsx_operator.group import JOBSET_NAME_LABEL, REPLICATED_JOB_LABEL
 from tests.ground.jobset import jobset_installed
 from tests.ground.kueue import kueue_installed
 from tests.operator.conftest import OperatorProcess, wait_for
-from tests.operator.e2e import SLOW, phase, run_store, start_slow_run, verify
+from tests.operator.e2e import SLOW, missing_from, phase, rendered, run_store, start_slow_run, verify
 from tests.operator.kube_helpers import Namespace, xj_manifest
 from tests.operator.test_e2e_kueue import own_output, quota_objects
 
@@ -49,6 +49,7 @@ def jobset(ns: Namespace, node_agent: Any) -> Iterator[None]:
 
 
 def test_a_lost_worker_recreates_the_group_and_the_run_resumes_exactly_once(
+    tmp_path: Path,
     ns: Namespace,
     run_env: dict[str, Any],
     long_dataset: Path,
@@ -60,6 +61,12 @@ def test_a_lost_worker_recreates_the_group_and_the_run_resumes_exactly_once(
     env = own_output({**run_env, "dataset": long_dataset}, "group")
     run_dir = start_slow_run(ns, "big", env, server={**SLOW["server"], **TWO_NODES})
     assert ns.get("job", "big-r1") is None  # one JobSet, no Job of hsx's own
+    # `hsx render -f` shows the JobSet the operator creates: the API server only adds its defaults.
+    manifest = xj_manifest("big", "r1", **env, **{**SLOW, "server": {**SLOW["server"], **TWO_NODES}})
+    _, want = rendered(ns, manifest, tmp_path)
+    created = ns.get("jobset.jobset.x-k8s.io", "big-r1")
+    assert created is not None and want["kind"] == "JobSet"
+    assert missing_from(created["spec"], want["spec"]) == []
     pods = wait_for(lambda: len(group_pods(ns, "big-r1")) == 2 and group_pods(ns, "big-r1"), 60, "both ranks")
     assert sorted(rank_of(p) for p in pods) == ["leader", "rank-1"]
     worker = next(p for p in pods if rank_of(p) == "rank-1")

@@ -21,7 +21,8 @@ from hsx_extractor.contract import EXIT_OK, EXIT_PERMANENT, EXIT_TRANSIENT
 from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.runner import extract
 from hsx_extractor.tools.cli import main
-from hsx_operator.desired import desired_config_map, desired_job, initial_suspend
+from hsx_operator.desired import desired_config_map, initial_suspend
+from hsx_operator.group import desired_run
 from hsx_operator.manifests import read_manifest
 from tests.run.helpers import RefServer, chat_rows, write_jsonl
 
@@ -81,7 +82,7 @@ def test_render_prints_what_the_operators_pure_functions_make(
     config_map, job = yaml.safe_load_all(out)
     owner, spec = read_manifest(example)
     assert config_map == desired_config_map(owner, spec)
-    assert job == desired_job(owner, spec, suspend=initial_suspend(spec))
+    assert job == desired_run(owner, spec, suspend=initial_suspend(spec))  # a JobSet for a multi-node example
     # Examples name no namespace (`kubectl -n NS apply` puts them anywhere): kubectl's default, as render's.
     assert job["metadata"]["namespace"] == yaml.safe_load(example.read_text())["metadata"].get("namespace", "default")
     assert "&id" not in out and "*id" not in out  # plain YAML, no anchors
