@@ -122,6 +122,24 @@ def test_an_idle_process_races_the_shard_held_longest_once(store: Store) -> None
     assert a.race_candidate(range(2), committed=set()) == 1
 
 
+def test_a_regenerating_run_races_only_shards_whose_generations_are_stored(store: Store) -> None:
+    """A race before a shard's generations are stored would decode the shard twice (and throw one away)."""
+    from hsx_extractor.run.regenerate import generations_stored
+
+    clock = Clock()
+    a, b, c = (leases(store, r, p, clock) for r, p in ((0, "aa"), (1, "bb"), (2, "cc")))
+    assert a.claim(0)
+    clock.now += 5
+    assert b.claim(1)
+    c.scan()
+    c.raceable = generations_stored(store)
+    assert c.race_candidate(range(2), committed=set()) is None  # neither shard's generations are stored
+    store.backend.put_if_absent(store.layout.generations_key(1), b"{}\n")
+    assert c.race_candidate(range(2), committed=set()) == 1  # shard 0 is held longer but still decoding
+    store.backend.put_if_absent(store.layout.generations_key(0), b"{}\n")
+    assert c.race_candidate(range(2), committed=set()) == 0
+
+
 def test_workers_of_one_pod_do_not_race_each_other(store: Store) -> None:
     """They send to the same server: a race would do the same work twice on the same GPUs."""
     clock = Clock()

@@ -56,7 +56,7 @@ from hsx_extractor.run.planning import PlanAhead, ReadFraction, check_committed,
 from hsx_extractor.run.producers import ENGINE_PRODUCERS, engine_of
 from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.readers import Reader, planned_reader, planning_reader
-from hsx_extractor.run.regenerate import Regenerator, row_samples
+from hsx_extractor.run.regenerate import Regenerator, generations_stored, row_samples
 from hsx_extractor.run.server_client import ServerClient
 from hsx_extractor.run.tokens import ChatTokenizer, TokenizerError
 from hsx_extractor.run.validate import DatasetRejected, MismatchGate, rejection_verdict
@@ -305,6 +305,8 @@ class Extraction:
         """This process's leases, renewed from now on; renewals count others' commits (progress is the run's)."""
         leases = Leases(store, self.run_key.slot, self.run_key.process, self.cfg.leaseSeconds)
         leases.probe()
+        if self.cfg.responses == "regenerate":
+            leases.raceable = generations_stored(store)
 
         def count_others() -> None:
             for c in self._others_committed(store, leases):

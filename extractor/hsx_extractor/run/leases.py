@@ -126,6 +126,8 @@ class Leases:
         self.lost: set[int] = set()  # held once, taken over since (worked on anyway)
         # Every shard this process took: its engine finishes them, so none is taken twice here.
         self.worked: set[int] = set()
+        # Whether racing a shard costs only its capture (a regenerating run: its generations are stored).
+        self.raceable: Callable[[int], bool] = lambda shard: True
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._wake = threading.Event()  # set when this process commits a shard, or stops
@@ -198,12 +200,13 @@ class Leases:
 
     def race_candidate(self, shards: Iterable[int], committed: set[int]) -> int | None:
         """A live, uncommitted shard of another replica not raced yet: the one held longest. A sibling
-        worker of this pod sends to the same server, so racing it would only do its work twice."""
+        worker of this pod sends to the same server, so racing it would only do its work twice; a shard
+        that is not :attr:`raceable` (its generations not stored yet) would cost its decode twice."""
         now, pod = self.clock(), replica_of(self.observer.slot)
         live = [k for k in shards if k not in committed and k not in self.worked
                 and self.observer.status(k, now) == "live" and self.observer.states[k].kind != "race"
                 and replica_of(self.observer.states[k].slot or "") != pod]  # fmt: skip
-        return min(live, key=self.observer.held_since, default=None)
+        return next((k for k in sorted(live, key=self.observer.held_since) if self.raceable(k)), None)
 
     def idle(self, committed: set[int]) -> bool:
         """None of the shards this process took is still uncommitted."""

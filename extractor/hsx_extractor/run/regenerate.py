@@ -193,6 +193,12 @@ def _get_nowait(q: queue.Queue[_Gathering | None]) -> _Gathering | None:
         return None
 
 
+def generations_stored(store: Store) -> Callable[[int], bool]:
+    """Whether shard k's generations are stored: only then may an idle process race it (run/leases), as a
+    race before that would decode the shard twice and throw one decode away."""
+    return lambda shard: store.backend.size(store.layout.generations_key(shard)) is not None
+
+
 def encode_records(records: list[dict[str, Any]]) -> bytes:
     return b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in records)
 
