@@ -219,60 +219,55 @@ class ServerClient:
         renew: Callable[[str], str],
         extra: Mapping[str, Any] | None,
     ) -> Answered:
+        rids = [rid]
+
+        def request(attempt: int) -> tuple[dict[str, Any], str]:
+            if attempt:  # a retried rid is a new one: the lost attempt's dump, if any, is never taken for it
+                rids.append(renew(rids[-1]))
+            return self._body(input_ids, rids[-1], extra), rids[-1]
+
+        text = await self._post_answered(self._path, request, lambda: f"{self._path} (rids {rids[0]} .. {rids[-1]})")
+        out = json.loads(text) if text else {}
+        return Answered(rids[-1], out if isinstance(out, dict) else {"response": out})
+
+    async def _post_answered(
+        self, path: str, request: Callable[[int], tuple[dict[str, Any], str]], what: Callable[[], str]
+    ) -> str:
+        """POST ``request(attempt)`` (its body and rid) until the server answers below 500: the answer's text.
+        Connection failures and 5xx are retried with backoff; a 4xx raises :class:`RequestRejected`."""
         last = ""
-        first = rid
         for attempt in range(self.connect_retries + 1):
             if attempt:
                 await asyncio.sleep(min(0.5 * 2**attempt, 10.0))
-                rid = renew(rid)
+            body, rid = request(attempt)
             try:
+                headers = {"X-Request-Id": rid} if rid else None
                 async with self.session.post(
-                    f"{self.base_url}{self._path}",
-                    json=self._body(input_ids, rid, extra),
-                    headers={"X-Request-Id": rid},
-                    timeout=self.request_timeout,
+                    f"{self.base_url}{path}", json=body, headers=headers, timeout=self.request_timeout
                 ) as r:
                     text = await r.text()
                     if r.status < 400:
-                        out = json.loads(text) if text else {}
-                        return Answered(rid, out if isinstance(out, dict) else {"response": out})
+                        return text
                     if r.status < 500:
                         raise RequestRejected(r.status, text, rid)
                     last = f"HTTP {r.status}: {text[:300]}"
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
-        raise ServerUnavailable(
-            f"{self._path} failed {self.connect_retries + 1} times (rids {first} .. {rid}): {last}"
-        )
+        raise ServerUnavailable(f"{what()} failed {self.connect_retries + 1} times: {last}")
 
     async def complete(self, input_ids: Sequence[int], sampling: Sampling) -> Generated:
         """Generate a turn from ``input_ids`` (no dump is written). Retries connection failures and 5xx
         (nothing was stored yet, so a lost answer is only asked again); :class:`RequestRejected` on 4xx."""
         path, body_of, read = _GENERATIONS[self.engine]
-        last = ""
         async with self._slots:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             try:
-                for attempt in range(self.connect_retries + 1):
-                    if attempt:
-                        await asyncio.sleep(min(0.5 * 2**attempt, 10.0))
-                    try:
-                        async with self.session.post(
-                            f"{self.base_url}{path}", json=body_of(input_ids, sampling), timeout=self.request_timeout
-                        ) as r:
-                            text = await r.text()
-                            if 400 <= r.status < 500:
-                                raise RequestRejected(r.status, text)
-                            if r.status < 400:
-                                try:
-                                    return read(json.loads(text))
-                                except (ValueError, KeyError, TypeError, IndexError) as exc:
-                                    raise ServerUnavailable(f"{path} answered a generation without "
-                                                            f"its token ids ({exc}): {text[:300]}") from exc  # fmt: skip
-                            last = f"HTTP {r.status}: {text[:300]}"
-                    except (aiohttp.ClientConnectionError, TimeoutError) as exc:
-                        last = f"{type(exc).__name__}: {exc}"
+                text = await self._post_answered(path, lambda _: (body_of(input_ids, sampling), ""),
+                                                 lambda: f"{path} (generation)")  # fmt: skip
             finally:
                 self.in_flight -= 1
-        raise ServerUnavailable(f"{path} (generation) failed {self.connect_retries + 1} times: {last}")
+        try:
+            return read(json.loads(text))
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise ServerUnavailable(f"{path} answered a generation without its token ids ({exc}): {text[:300]}") from exc
