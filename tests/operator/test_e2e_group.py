@@ -24,6 +24,7 @@ from tests.ground.kueue import kueue_installed
 from tests.operator.conftest import OperatorProcess, wait_for
 from tests.operator.e2e import SLOW, missing_from, phase, rendered, run_store, start_slow_run, verify
 from tests.operator.kube_helpers import Namespace, xj_manifest
+from tests.operator.test_e2e_failures import WRONG_FINGERPRINT
 from tests.operator.test_e2e_kueue import own_output, quota_objects
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -149,3 +150,22 @@ def test_kueue_admits_a_group_whole_and_holds_the_next_one_whole(
     assert second["phase"] == "Succeeded", second
     report = verify(second_env["output"] / "r1")
     assert report["ok"] and report["duplicates"] == 0, report
+
+
+def test_a_permanent_failure_fails_the_group_without_restarting_it(
+    ns: Namespace, run_env: dict[str, Any], jobset: None, start_operator: Callable[[], OperatorProcess]
+) -> None:
+    """A configuration error (the preflight's permanent exit) fails the leader's Job by its pod failure policy,
+    and the JobSet's rule on that reason fails the run at once: no restart loads the weights again."""
+    start_operator()
+    manifest = xj_manifest("wrongtok", "r1", **run_env, server=TWO_NODES, backoffLimit=3)
+    manifest["spec"]["dataset"]["expectedTokenizerFingerprint"] = WRONG_FINGERPRINT
+    ns.apply(manifest)
+    failed = wait_for(phase(ns, "wrongtok", "Failed"), 240, "the run to fail")
+    assert failed["reason"] == "PreflightFailed", failed
+    assert "preflight exited 3 (permanent failure)" in failed["message"], failed
+    jobset = ns.get("jobset.jobset.x-k8s.io", "wrongtok-r1")
+    assert jobset is not None and jobset["status"].get("restarts", 0) == 0, jobset.get("status")
+    conditions = {c["type"]: c for c in jobset["status"]["conditions"]}
+    assert conditions["Failed"]["status"] == "True"
+    assert conditions["Failed"]["reason"] == "FailJobSetFailurePolicyAction", conditions["Failed"]
