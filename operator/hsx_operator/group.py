@@ -54,6 +54,11 @@ def rank_job(rank: int) -> str:
     return LEADER if rank == 0 else f"rank-{rank}"
 
 
+def child_jobs(jobset: str, nodes: int) -> list[str]:
+    """The Jobs JobSet makes of the run's JobSet (one per rank; JobSet names them <jobset>-<rjob>-<i>)."""
+    return [f"{jobset}-{rank_job(rank)}-0" for rank in range(nodes)]
+
+
 def group_name(xj_name: str, run_id: str) -> str:
     """The run's JobSet: ``{name}-{runId}``, shortened so its pods' hostnames fit a DNS label."""
     return _shortened(job_name(xj_name, run_id), MAX_GROUP_NAME)

@@ -34,7 +34,15 @@ from hsx_operator.desired import (
     job_name,
     with_queue_label,
 )
-from hsx_operator.group import desired_run, group_name, group_status, is_leader, job_view, pod_specs
+from hsx_operator.group import (
+    child_jobs,
+    desired_run,
+    group_name,
+    group_status,
+    is_leader,
+    job_view,
+    pod_specs,
+)
 from hsx_operator.observe import Refusal, needs_job, observe
 from hsx_operator.pods import job_finished, scale_patch
 from hsx_operator.policy import NodeAccessPolicy, violations
@@ -199,6 +207,8 @@ def _reconcile(
     }
     live = watching and job is not None and not job_finished(job)
     job_events = cluster.events_of(namespace, current, kind) if live else []
+    if live and kind == "JobSet":  # its Jobs are what fail to create pods (quota, PodSecurity)
+        job_events += [e for j in child_jobs(current, xj.server.nodes) for e in cluster.events_of(namespace, j, "Job")]
     polled = [p for p in pods if live]
     waits_for_kueue = (
         live

@@ -204,7 +204,8 @@ def job_problem(
         if event_time(ev) < newest_pod:
             return None
         name = job.get("metadata", {}).get("name", "?")
-        return Reason.FAILED_CREATE, f"Job {name} cannot create its pods: {ev.get('message', '')}".strip()
+        kind = job.get("kind") or "Job"
+        return Reason.FAILED_CREATE, f"{kind} {name} cannot create its pods: {ev.get('message', '')}".strip()
     return None
 
 

@@ -169,3 +169,19 @@ def test_a_permanent_failure_fails_the_group_without_restarting_it(
     conditions = {c["type"]: c for c in jobset["status"]["conditions"]}
     assert conditions["Failed"]["status"] == "True"
     assert conditions["Failed"]["reason"] == "FailJobSetFailurePolicyAction", conditions["Failed"]
+
+
+def test_a_group_whose_pods_cannot_be_created_says_why(
+    ns: Namespace, run_env: dict[str, Any], jobset: None, start_operator: Callable[[], OperatorProcess]
+) -> None:
+    """The pods of a JobSet are created by its Jobs: their FailedCreate (here a quota of no pods) is the run's
+    reason, as a Job's own is for a one-pod run."""
+    start_operator()
+    ns.apply({"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-pods"}, "spec": {"hard": {"pods": "0"}}})
+    wait_for(lambda: (ns.get("resourcequota", "no-pods") or {}).get("status", {}).get("hard"), 60, "the quota")
+    ns.apply(xj_manifest("quota", "r1", **run_env, server=TWO_NODES))
+    stalled = wait_for(lambda: ns.status("quota").get("reason") == "FailedCreate" and ns.status("quota"), 120,
+                       "reason FailedCreate")  # fmt: skip
+    assert stalled["phase"] == "Pending", stalled
+    assert "JobSet quota-r1 cannot create its pods" in stalled["message"], stalled
+    assert "exceeded quota: no-pods" in stalled["message"], stalled

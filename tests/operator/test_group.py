@@ -11,6 +11,7 @@ from hsx_operator.group import (
     JOBSET_NAME_LABEL,
     REPLICATED_JOB_LABEL,
     RESTART_EVENT,
+    child_jobs,
     desired_jobset,
     desired_run,
     group_name,
@@ -97,6 +98,10 @@ def test_every_pod_spec_is_checked_against_the_node_access_policy() -> None:
     assert len(pod_specs(js)) == 2 and pod_specs(js)[1]["containers"][0]["name"] == "sglang"
     job = desired_job(OWNER, make_spec())
     assert pod_specs(job) == [job["spec"]["template"]["spec"]]
+
+
+def test_the_child_jobs_are_named_as_jobset_names_them() -> None:
+    assert child_jobs("big-r1", 3) == ["big-r1-leader-0", "big-r1-rank-1-0", "big-r1-rank-2-0"]
 
 
 def test_names_keep_every_hostname_within_a_dns_label() -> None:
