@@ -153,6 +153,8 @@ def _rank_job(
 
 # JobSet condition -> the Job condition observe reads (pods.job_condition).
 _JOB_CONDITIONS = {"Completed": "Complete", "Failed": "Failed"}
+# Its only FailJobSet rule is on a pod failure policy's verdict: observe names that failure from the pods.
+_JOB_REASONS = {"FailJobSetFailurePolicyAction": "PodFailurePolicy"}
 RESTART_EVENT = "RestartJobSetFailurePolicyAction"
 
 
@@ -163,7 +165,7 @@ def job_view(jobset: Mapping[str, Any]) -> dict[str, Any]:
         (r for r in jobset.get("spec", {}).get("replicatedJobs") or [] if r.get("name") == LEADER), {}
     )
     conditions = [
-        {**c, "type": _JOB_CONDITIONS[c["type"]]}
+        {**c, "type": _JOB_CONDITIONS[c["type"]], "reason": _JOB_REASONS.get(c.get("reason", ""), c.get("reason", ""))}
         for c in (jobset.get("status") or {}).get("conditions") or []
         if c.get("type") in _JOB_CONDITIONS and c.get("status") == "True"
     ]

@@ -137,6 +137,9 @@ def test_a_jobset_reads_as_the_job_observe_knows() -> None:
     view = job_view(jobset_json(conditions=[failed, {**done, "status": "False"}], suspend=True))
     assert [(c["type"], c["reason"]) for c in view["status"]["conditions"]] == [("Failed", "ReachedMaxRestarts")]
     assert view["spec"]["suspend"] is True and "completionTime" not in view["status"]
+    # Its one FailJobSet rule is a pod failure policy's verdict: observe reads it as a Job's and names the exit.
+    permanent = {**failed, "reason": "FailJobSetFailurePolicyAction"}
+    assert job_view(jobset_json(conditions=[permanent]))["status"]["conditions"][0]["reason"] == "PodFailurePolicy"
 
 
 def pod(name: str, rjob: str, index: int, *, phase: str = "Running", ready: bool = True) -> dict[str, Any]:
