@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from hsx_extractor.contract import PROGRESS_RATES
+from hsx_extractor.sglang_hook.launch import DETERMINISTIC_FLAG, seed_ignored
 from hsx_operator.api import ExtractionJobSpec
 from hsx_operator.conditions import conditions_for, parse_time, rfc3339
 from hsx_operator.desired import LABEL_QUEUE, PREFLIGHT_CONTAINER, job_name, manifest_uri, output_prefix
@@ -378,6 +379,11 @@ def observe(
         notes.append(
             EventNote("Normal", "RunStarted", f"run {spec.runId} starts; output {base.output.prefix}")
         )
+        if (seed := spec.generation.seed) is not None and spec.responses == "regenerate" and (
+            spec.server.engine == "sglang" and seed_ignored(spec.server.extraArgs)
+        ):
+            notes.append(EventNote("Warning", "SeedIgnored", f"generation.seed {seed} is not applied: SGLang samples with "
+                                   f"a request's seed only when started with {DETERMINISTIC_FLAG} (server.extraArgs)"))  # fmt: skip
 
     # Terminal runs are sticky: nothing observed later (a TTL-deleted Job, a resumed spec) changes them.
     if base.phase in TERMINAL_PHASES:

@@ -62,6 +62,19 @@ def test_new_run_without_job_is_pending_and_needs_its_job() -> None:
     assert cond(st, "Reconciling") == "True" and cond(st, "Succeeded") == "False"
 
 
+def test_a_seed_sglang_would_not_apply_is_warned_of_when_the_run_starts() -> None:
+    def reasons(**spec: object) -> list[str]:
+        return [e.reason for e in run(spec=make_spec(responses="regenerate", **spec)).events]
+
+    assert "SeedIgnored" in reasons(generation={"seed": 7})
+    warning = next(e for e in run(spec=make_spec(responses="regenerate", generation={"seed": 7})).events
+                   if e.reason == "SeedIgnored")  # fmt: skip
+    assert warning.type == "Warning" and "--enable-deterministic-inference" in warning.message
+    assert "SeedIgnored" not in reasons(generation={"seed": 7}, server={"extraArgs": ["--enable-deterministic-inference"]})
+    assert "SeedIgnored" not in reasons(generation={"temperature": 0.7})
+    assert "SeedIgnored" not in reasons(generation={"seed": 7, "temperature": 0}, server={"engine": "vllm"})
+
+
 def test_unschedulable_pod_says_the_schedulers_message() -> None:
     msg = "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."
     st = run(

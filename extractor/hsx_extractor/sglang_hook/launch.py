@@ -199,6 +199,15 @@ def _node_group(nodes: int, node_rank: int | str, dist_init_addr: str | None) ->
     return ["--nnodes", str(nodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_init_addr]
 
 
+# SGLang 0.5.23 samples with a request's seed only in deterministic inference mode (its sampling_batch_info).
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"
+
+
+def seed_ignored(extra_args: Sequence[str]) -> bool:
+    """Whether SGLang started with ``extra_args`` (and hsx's flags) ignores the seed a request carries."""
+    return not any(a == DETERMINISTIC_FLAG or a.startswith(DETERMINISTIC_FLAG + "=") for a in extra_args)
+
+
 def server_env(
     dump_dir: str, *, context_length: int | None = None, final_state: str = FINAL_POST_NORM
 ) -> dict[str, str]:
