@@ -177,7 +177,14 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "type": "integer",
         "jsonPath": ".spec.parallelism",
         "priority": 1,
-        "description": "Pods the run is asked to have (spec.parallelism; it may change mid-run).",
+        "description": "Replicas the run is asked to have (spec.parallelism; it may change mid-run).",
+    },
+    {
+        "name": "Nodes",
+        "type": "integer",
+        "jsonPath": ".spec.server.nodes",
+        "priority": 1,
+        "description": "Pods (nodes) per replica: more than 1 when the server spans nodes (a JobSet).",
     },
     {
         "name": "Shards",

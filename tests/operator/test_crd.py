@@ -111,9 +111,9 @@ def test_printer_columns() -> None:
     cols = {c["name"]: c for c in version["additionalPrinterColumns"]}
     assert list(cols) == [
         "Phase", "Reason", "Progress", "Written", "Quarantined", "Tok/s", "ETA", "Age", "Run", "Attempt", "Pods",
-        "Shards",
+        "Nodes", "Shards",
     ]
-    assert all(cols[n].get("priority") == 1 for n in ("Run", "Attempt", "Pods", "Shards"))
+    assert all(cols[n].get("priority") == 1 for n in ("Run", "Attempt", "Pods", "Nodes", "Shards"))
     assert "priority" not in cols["Reason"]  # shown by default: Pending alone does not say why
     assert version["subresources"] == {"status": {}}
     assert crd["spec"]["names"]["shortNames"] == ["xj"]

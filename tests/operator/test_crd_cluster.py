@@ -416,4 +416,4 @@ def test_printer_columns_on_the_server(xj_crd: Any, namespace: str) -> None:
     narrow = xj_crd.kubectl("get", "xj", "-n", namespace).stdout.splitlines()[0].split()
     assert narrow == ["NAME", "PHASE", "REASON", "PROGRESS", "WRITTEN", "QUARANTINED", "TOK/S", "ETA", "AGE"]
     wide = xj_crd.kubectl("get", "xj", "-n", namespace, "-o", "wide").stdout.splitlines()
-    assert wide[0].split()[-4:] == ["RUN", "ATTEMPT", "PODS", "SHARDS"] and "r1" in wide[1]
+    assert wide[0].split()[-5:] == ["RUN", "ATTEMPT", "PODS", "NODES", "SHARDS"] and "r1" in wide[1]
