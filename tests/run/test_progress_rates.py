@@ -87,3 +87,32 @@ def test_a_shard_counts_once_when_another_process_commits_it_while_this_one_work
     p.sample_quarantined("no_dump", shard=2)
     p.shard_committed(2, 10)
     assert p.report().samplesDone == 24 and p.report().quarantinedByReason == {"no_dump": 1, "too_long": 2}
+
+
+def test_one_window_keeps_the_marks_of_every_rate() -> None:
+    """RateWindow, the one keeper of marks (Progress's samples and tokens, Pace's decode and prefill): the rate
+    over the last minute, marks thinned to one a second, 0 after a silent minute, None before any mark."""
+    window = progress_mod.RateWindow()
+    assert window.empty and window.rates(0.0, (0,)) is None
+    window.restart(0.0, (0,))
+    for second in range(1, 121):
+        for tenth in range(10):  # ten adds a second: marks two apart are a second apart, whatever the adds
+            window.mark(second + tenth / 10, (second * 10 + tenth,))
+    assert len(window._marks) <= 2 * RATE_WINDOW_S / progress_mod.MARK_EVERY_S + 2
+    (rate,) = window.rates(121.0, (1210,)) or (None,)
+    assert rate == pytest.approx(10.0, rel=0.05)  # the last minute's, not the first minute's zeros
+    (silent,) = window.rates(121.0 + RATE_WINDOW_S + 1, (1210,)) or (None,)
+    assert silent == 0.0
+
+
+def test_the_generation_pace_counts_its_first_turn_and_falls_to_zero(clock: Clock) -> None:
+    pace = progress_mod.Pace()
+    assert pace.rates(True, 0.0) == (0.0, 0.0)
+    pace.add(100, 50)
+    clock.now += 10
+    pace.add(100, 50)
+    decode, prefill = pace.rates(True, 10.0)
+    assert decode == pytest.approx(20.0) and prefill == pytest.approx(10.0)
+    assert pace.rates(False, 20.0) == (10.0, 5.0)  # the whole run once it ended
+    clock.now += RATE_WINDOW_S + 1
+    assert pace.rates(True, 80.0) == (0.0, 0.0)

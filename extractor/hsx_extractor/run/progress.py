@@ -30,36 +30,61 @@ MARK_EVERY_S = 1.0
 MIN_READ_FRACTION = 0.01
 
 @dataclass
+class RateWindow:
+    """Marks of running totals for their rates over the last RATE_WINDOW_S: the newest mark is always the
+    current totals, older ones stay at least MARK_EVERY_S apart, and the first is the newest at or before
+    the window's start (or the first mark of all)."""
+
+    _marks: deque[tuple[float, tuple[int, ...]]] = field(default_factory=deque)
+
+    @property
+    def empty(self) -> bool:
+        return not self._marks
+
+    def restart(self, now: float, totals: tuple[int, ...]) -> None:
+        self._marks.clear()
+        self.mark(now, totals)
+
+    def mark(self, now: float, totals: tuple[int, ...]) -> None:
+        if len(self._marks) >= 2 and now - self._marks[-2][0] < MARK_EVERY_S:
+            self._marks[-1] = (now, totals)
+        else:
+            self._marks.append((now, totals))
+        while len(self._marks) > 1 and self._marks[1][0] <= now - RATE_WINDOW_S:
+            self._marks.popleft()
+
+    def rates(self, now: float, totals: tuple[int, ...]) -> tuple[float, ...] | None:
+        """Per second over the window (0 once nothing came for a window); None before the first mark."""
+        if not self._marks:
+            return None
+        self.mark(now, totals)
+        since, base = self._marks[0]
+        span = max(now - since, 1e-9)
+        return tuple((total - old) / span for total, old in zip(totals, base, strict=True))
+
+
+@dataclass
 class Pace:
     """Two running totals (decoded and prefilled tokens) and their rates over the last RATE_WINDOW_S."""
 
     first: int = 0
     second: int = 0
-    _marks: deque[tuple[float, int, int]] = field(default_factory=deque)
+    _window: RateWindow = field(default_factory=RateWindow)
 
     def add(self, first: int, second: int) -> None:
         self.first += first
         self.second += second
         now = time.monotonic()
-        if not self._marks:
-            self._marks.append((now, 0, 0))
-        if len(self._marks) >= 2 and now - self._marks[-2][0] < MARK_EVERY_S:
-            self._marks[-1] = (now, self.first, self.second)
-        else:
-            self._marks.append((now, self.first, self.second))
-        while len(self._marks) > 1 and self._marks[1][0] <= now - RATE_WINDOW_S:
-            self._marks.popleft()
+        if self._window.empty:
+            self._window.mark(now, (0, 0))  # the first add counts toward the rate
+        self._window.mark(now, (self.first, self.second))
 
     def rates(self, windowed: bool, elapsed: float) -> tuple[float, float]:
         """Per second over the window while running (0 once nothing came for a window), else the whole run."""
         if not windowed:
             return (self.first / elapsed, self.second / elapsed) if elapsed > 0 else (0.0, 0.0)
-        if not self._marks:
-            return 0.0, 0.0
-        now = time.monotonic()
-        since, first, second = next((m for m in reversed(self._marks) if m[0] <= now - RATE_WINDOW_S), self._marks[0])
-        span = max(now - since, 1e-9)
-        return (self.first - first) / span, (self.second - second) / span
+        got = self._window.rates(time.monotonic(), (self.first, self.second))
+        return (got[0], got[1]) if got else (0.0, 0.0)
 
 
 @dataclass
@@ -100,9 +125,8 @@ class Progress:
     # (checked, failed) of the consistency check, read when asked
     _consistency_probe: Callable[[], tuple[int, int]] | None = None
     on_commit: Callable[[], None] = lambda: None  # after each shard this process commits (leases: wake)
-    # (monotonic time, samples this process finished, tokens); the first is the newest mark at or
-    # before the window's start (or the start of running).
-    _marks: deque[tuple[float, int, int]] = field(default_factory=deque)
+    # (samples this process finished, tokens) since it started running.
+    _window: RateWindow = field(default_factory=RateWindow)
     # Samples this process counted per shard not yet counted as committed (shard_resumed takes them back).
     _own_done: Counter[int] = field(default_factory=Counter)
     _own_written: Counter[int] = field(default_factory=Counter)
@@ -114,15 +138,12 @@ class Progress:
     def __post_init__(self) -> None:
         self._metrics = Metrics()
 
+    def _totals(self) -> tuple[int, int]:
+        """What this process did: samples finished (not those counted from others' commits) and tokens."""
+        return self.samples_done - self.samples_resumed, self.tokens_done
+
     def _mark(self, now: float) -> None:
-        fresh = self.samples_done - self.samples_resumed
-        # The newest mark is always the current count; older ones stay at least MARK_EVERY_S apart.
-        if len(self._marks) >= 2 and now - self._marks[-2][0] < MARK_EVERY_S:
-            self._marks[-1] = (now, fresh, self.tokens_done)
-        else:
-            self._marks.append((now, fresh, self.tokens_done))
-        while len(self._marks) > 1 and self._marks[1][0] <= now - RATE_WINDOW_S:
-            self._marks.popleft()
+        self._window.mark(now, self._totals())
 
     @property
     def metrics(self) -> Metrics:
@@ -257,8 +278,7 @@ class Progress:
             self.last_error = None  # the wait is over; a real error stays
         self.state = "running"
         self.running_since = time.monotonic()
-        self._marks.clear()
-        self._mark(self.running_since)
+        self._window.restart(self.running_since, self._totals())
 
     def mark_succeeded(self) -> None:
         self.state = "succeeded"
@@ -279,15 +299,11 @@ class Progress:
 
     def rates(self) -> tuple[float, float]:
         """(samples/s, tokens/s): over the last RATE_WINDOW_S while running, else the whole run."""
-        fresh = self.samples_done - self.samples_resumed
-        if self.state == "running" and self._marks:
-            now = time.monotonic()
-            self._mark(now)
-            since, base_samples, base_tokens = self._marks[0]
-            span = max(now - since, 1e-9)
-            return (fresh - base_samples) / span, (self.tokens_done - base_tokens) / span
+        fresh, tokens = self._totals()
+        if self.state == "running" and (got := self._window.rates(time.monotonic(), (fresh, tokens))) is not None:
+            return got[0], got[1]
         elapsed = max(self.elapsed, 1e-9)
-        return fresh / elapsed, self.tokens_done / elapsed
+        return fresh / elapsed, tokens / elapsed
 
     def report(self) -> ProgressReport:
         samples_rate, tokens_rate = self.rates()
