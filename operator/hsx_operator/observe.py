@@ -187,7 +187,7 @@ def _suspended(
     status: ExtractionJobStatus, spec: ExtractionJobSpec, job: Mapping[str, Any], kueue: KueueView | None
 ) -> bool:
     """A suspended Job: by spec.suspend, or held by Kueue (only when Kueue really has it). Stalled?"""
-    name = job.get("metadata", {}).get("name", status.jobName)
+    name = f'{job.get("kind") or "Job"} {job.get("metadata", {}).get("name", status.jobName)}'
     queue = (job.get("metadata", {}).get("labels") or {}).get(LABEL_QUEUE)
     if spec.suspend:
         _set(
@@ -198,14 +198,14 @@ def _suspended(
             status,
             Phase.SUSPENDED,
             Reason.JOB_SUSPENDED,
-            f"Job {name} is suspended though spec.suspend is false and it names no Kueue queue; resuming it",
+            f"{name} is suspended though spec.suspend is false and it names no Kueue queue; resuming it",
         )
     elif kueue is None or not kueue.served:
         _set(
             status,
             Phase.SUSPENDED,
             Reason.KUEUE_NOT_INSTALLED,
-            f"Job {name} waits for Kueue to admit it (queue {queue}), but this cluster does not serve Kueue's "
+            f"{name} waits for Kueue to admit it (queue {queue}), but this cluster does not serve Kueue's "
             "API (kueue.x-k8s.io): install Kueue, or run without scheduling.queueName under a new runId",
         )
         return True
@@ -214,8 +214,8 @@ def _suspended(
             status,
             Phase.SUSPENDED,
             Reason.WAITING_FOR_WORKLOAD,
-            f"Job {name} waits for Kueue to create its Workload (queue {queue}); if this lasts, Kueue does not "
-            "manage this namespace or Jobs",
+            f"{name} waits for Kueue to create its Workload (queue {queue}); if this lasts, Kueue does not "
+            "manage this namespace or this kind (a JobSet needs jobset.x-k8s.io/jobset in Kueue's integrations.frameworks)",
         )
     else:
         said = workload_state(kueue.workloads or ())
@@ -223,7 +223,7 @@ def _suspended(
             status,
             Phase.SUSPENDED,
             Reason.QUEUED,
-            f"Kueue holds Job {name} in queue {queue}" + (f"; {said}" if said else ""),
+            f"Kueue holds {name} in queue {queue}" + (f"; {said}" if said else ""),
         )
     return False
 
