@@ -135,7 +135,7 @@ def test_kueue_admits_a_group_whole_and_holds_the_next_one_whole(
     second_env = own_output(run_env, "second")
     ns.apply(xj_manifest("second", "r1", **second_env, server=TWO_NODES, scheduling={"queueName": "team-a"}))
     held = wait_for(lambda: ns.status("second").get("reason") == "Queued" and ns.status("second"), 120, "Queued")
-    assert held["phase"] == "Suspended" and "Kueue holds" in held["message"], held
+    assert held["phase"] == "Suspended" and "Kueue holds JobSet second-r1 in queue team-a" in held["message"], held
     # One Workload per run, its pod sets the group's ranks, admitted whole; the held run has no pod at all.
     workloads = {w["metadata"]["ownerReferences"][0]["name"]: w for w in ns.items("workloads.kueue.x-k8s.io")}
     first_wl, second_wl = workloads["first-r1"], workloads["second-r1"]
