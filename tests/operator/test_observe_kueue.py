@@ -87,3 +87,18 @@ def test_a_suspended_job_without_a_queue_label_is_not_queued() -> None:
     assert (st.phase, st.reason) == ("Suspended", "JobSuspended")
     by_spec = run(queued_job(), None, spec=make_spec(suspend=True, scheduling={"queueName": "team-a"}))
     assert by_spec.reason == "Suspended"
+
+
+def test_a_queued_group_is_named_as_the_jobset_kueue_holds() -> None:
+    from hsx_operator.desired import Owner
+    from hsx_operator.group import desired_jobset, job_view
+
+    spec = make_spec(server={"nodes": 2}, scheduling={"queueName": "team-a"})
+    jobset = desired_jobset(Owner("xj", "ml", "u"), spec, suspend=True)
+    jobset["status"] = {}
+    st = run(job_view(jobset), KueueView(served=True, workloads=()), spec)
+    assert st.reason == "WaitingForWorkload" and st.message.startswith("JobSet xj-r1 waits for Kueue")
+    assert "jobset.x-k8s.io/jobset in Kueue's integrations.frameworks" in st.message
+    pending = workload({"type": "QuotaReserved", "status": "False", "reason": "Pending", "message": "no quota"})
+    st = run(job_view(jobset), KueueView(served=True, workloads=(pending,)), spec)
+    assert st.reason == "Queued" and "Kueue holds JobSet xj-r1 in queue team-a" in st.message
