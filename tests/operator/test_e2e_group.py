@@ -80,10 +80,12 @@ def test_a_lost_worker_recreates_the_group_and_the_run_resumes_exactly_once(
 
     # The worker rank is lost: its Job fails, JobSet recreates every Job of the run, the extractor resumes.
     ns.kubectl("delete", "pod", worker["metadata"]["name"], "--grace-period=0", "--force", "--wait=false")
+    # The restart count is the JobSet's status, its reason JobSet's event (recorded a moment later).
     restarted = wait_for(
-        lambda: (ns.status("big").get("group") or {}).get("restarts", 0) >= 1 and ns.status("big"),
+        lambda: (group := ns.status("big").get("group") or {}).get("restarts", 0) >= 1 and group.get("lastRestart")
+        and ns.status("big"),
         180,
-        "the group to restart",
+        "the group to restart and say why",
     )
     assert "big-r1-rank-1-0" in restarted["group"]["lastRestart"], restarted["group"]
     done = wait_for(phase(ns, "big", "Succeeded", "Failed"), 480, "the run to end")
@@ -164,9 +166,9 @@ def test_a_permanent_failure_fails_the_group_without_restarting_it(
     failed = wait_for(phase(ns, "wrongtok", "Failed"), 240, "the run to fail")
     assert failed["reason"] == "PreflightFailed", failed
     assert "preflight exited 3 (permanent failure)" in failed["message"], failed
-    jobset = ns.get("jobset.jobset.x-k8s.io", "wrongtok-r1")
-    assert jobset is not None and jobset["status"].get("restarts", 0) == 0, jobset.get("status")
-    conditions = {c["type"]: c for c in jobset["status"]["conditions"]}
+    created = ns.get("jobset.jobset.x-k8s.io", "wrongtok-r1")
+    assert created is not None and created["status"].get("restarts", 0) == 0, (created or {}).get("status")
+    conditions = {c["type"]: c for c in created["status"]["conditions"]}
     assert conditions["Failed"]["status"] == "True"
     assert conditions["Failed"]["reason"] == "FailJobSetFailurePolicyAction", conditions["Failed"]
 
