@@ -12,17 +12,15 @@ not resolve one another's hostnames here.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tests.ground.kueue import release_leftovers, tls_secret
+from tests.ground.kueue import controller_installed, tls_secret
 from tests.ground.pki import CertificateAuthority
 from tests.ground.tools import tool_path
-from tests.ground.wait import wait_for
 
 NAMESPACE = "jobset-system"
 IMAGE = "registry.k8s.io/jobset/jobset:v0.11.1"
@@ -103,32 +101,11 @@ def manifests() -> list[dict[str, Any]]:
     ]
 
 
-def _available(cluster: Any) -> bool:
-    out = cluster.kubectl("get", "deployment", "-n", NAMESPACE, DEPLOYMENT, "-o", "json", check=False)
-    return out.returncode == 0 and (json.loads(out.stdout).get("status") or {}).get("availableReplicas") == 1
-
-
 @contextlib.contextmanager
 def jobset_installed(cluster: Any, node_agent: Any, timeout_s: float = 180) -> Iterator[None]:
     """JobSet's CRD and controller manager, Ready; all of it removed afterwards (the CRD too)."""
-    crds = jobset_crds()
-    node_agent.register_image("registry.k8s.io/jobset/jobset:*", manager_argv)
-    try:
-        cluster.kubectl("apply", "--server-side", "-f", str(crds))
-        for path in sorted(crds.glob("*.yaml")):
-            cluster.wait_crd_established(yaml.safe_load(path.read_text())["metadata"]["name"])
-        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(manifests()))
-        try:
-            wait_for(lambda: _available(cluster), timeout_s, "JobSet's controller manager to be available", 1.0)
-        except AssertionError as exc:
-            pods = cluster.kubectl("get", "pods", "-n", NAMESPACE, "-o", "json", check=False).stdout
-            raise AssertionError(f"{exc}; pods: {pods[-3000:]}") from exc
+    with controller_installed(
+        cluster, node_agent, "registry.k8s.io/jobset/jobset:*", manager_argv, jobset_crds(), manifests(),
+        NAMESPACE, DEPLOYMENT, "jobset-test-manager", timeout_s,
+    ):  # fmt: skip
         yield
-    finally:
-        cluster.kubectl(
-            "delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true", "--timeout=100s", check=False
-        )
-        cluster.kubectl("delete", "clusterrolebinding", "jobset-test-manager", "--ignore-not-found", check=False)
-        release_leftovers(cluster, crds)
-        cluster.kubectl("delete", "-f", str(crds), "--ignore-not-found", "--wait=true", "--timeout=100s", check=False)
-        node_agent.unregister_image("registry.k8s.io/jobset/jobset:*")

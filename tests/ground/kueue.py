@@ -136,10 +136,8 @@ def manifests(frameworks: tuple[str, ...] = ("batch/job",)) -> list[dict[str, An
     ]
 
 
-def _available(cluster: Any) -> bool:
-    out = cluster.kubectl(
-        "get", "deployment", "-n", NAMESPACE, "kueue-controller-manager", "-o", "json", check=False
-    )
+def _available(cluster: Any, namespace: str, deployment: str) -> bool:
+    out = cluster.kubectl("get", "deployment", "-n", namespace, deployment, "-o", "json", check=False)
     return out.returncode == 0 and (json.loads(out.stdout).get("status") or {}).get("availableReplicas") == 1
 
 
@@ -150,27 +148,48 @@ def kueue_installed(
     """Kueue's CRDs and controller manager, Ready; everything of it removed afterwards (CRDs included:
     other tests check hsx on a cluster without Kueue). ``frameworks`` are the integrations it manages
     (a framework's CRD, JobSet's for jobset.x-k8s.io/jobset, must be installed before)."""
-    crds = kueue_dir() / "crds"
-    node_agent.register_image("registry.k8s.io/kueue/kueue:*", manager_argv)
+    with controller_installed(
+        cluster, node_agent, "registry.k8s.io/kueue/kueue:*", manager_argv, kueue_dir() / "crds",
+        manifests(frameworks), NAMESPACE, "kueue-controller-manager", "kueue-test-manager", timeout_s,
+    ):  # fmt: skip
+        yield
+
+
+@contextlib.contextmanager
+def controller_installed(
+    cluster: Any,
+    node_agent: Any,
+    image: str,
+    argv: Any,
+    crds: Path,
+    objects: list[dict[str, Any]],
+    namespace: str,
+    deployment: str,
+    binding: str,
+    timeout_s: float,
+) -> Iterator[None]:
+    """A controller's CRDs and Deployment (``objects``, in ``namespace``) installed and Ready, its image run
+    by ``argv``; everything of it removed afterwards, CRDs included (Kueue's and JobSet's alike)."""
+    node_agent.register_image(image, argv)
     try:
         cluster.kubectl("apply", "--server-side", "-f", str(crds))
         for path in sorted(crds.glob("*.yaml")):
             cluster.wait_crd_established(yaml.safe_load(path.read_text())["metadata"]["name"])
-        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(manifests(frameworks)))
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))
         try:
-            wait_for(lambda: _available(cluster), timeout_s, "Kueue's controller manager to be available", 1.0)
+            wait_for(lambda: _available(cluster, namespace, deployment), timeout_s, f"{deployment} to be available", 1.0)
         except AssertionError as exc:
-            pods = cluster.kubectl("get", "pods", "-n", NAMESPACE, "-o", "json", check=False).stdout
+            pods = cluster.kubectl("get", "pods", "-n", namespace, "-o", "json", check=False).stdout
             raise AssertionError(f"{exc}; pods: {pods[-3000:]}") from exc
         yield
     finally:
         cluster.kubectl(
-            "delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true", "--timeout=100s", check=False
+            "delete", "namespace", namespace, "--ignore-not-found", "--wait=true", "--timeout=100s", check=False
         )
-        cluster.kubectl("delete", "clusterrolebinding", "kueue-test-manager", "--ignore-not-found", check=False)
+        cluster.kubectl("delete", "clusterrolebinding", binding, "--ignore-not-found", check=False)
         release_leftovers(cluster, crds)
         cluster.kubectl("delete", "-f", str(crds), "--ignore-not-found", "--wait=true", "--timeout=100s", check=False)
-        node_agent.unregister_image("registry.k8s.io/kueue/kueue:*")
+        node_agent.unregister_image(image)
 
 
 def release_leftovers(cluster: Any, crds: Path) -> None:
