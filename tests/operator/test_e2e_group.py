@@ -16,16 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from hsx_operator.group import JOBSET_NAME_LABEL, REPLICATED_JOB_LABEL
 from tests.ground.jobset import jobset_installed
-from tests.ground.kueue import kueue_installed
 from tests.operator.conftest import OperatorProcess, wait_for
 from tests.operator.e2e import SLOW, missing_from, phase, rendered, run_store, start_slow_run, verify
 from tests.operator.kube_helpers import Namespace, xj_manifest
 from tests.operator.test_e2e_failures import WRONG_FINGERPRINT
-from tests.operator.test_e2e_kueue import own_output, quota_objects
+from tests.operator.test_e2e_kueue import kueue_with_quota, own_output
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -106,18 +104,8 @@ def test_a_lost_worker_recreates_the_group_and_the_run_resumes_exactly_once(
 
 @pytest.fixture
 def kueue_with_jobset(ns: Namespace, node_agent: Any, jobset: None) -> Iterator[None]:
-    with kueue_installed(ns.cluster, node_agent, frameworks=("batch/job", "jobset.x-k8s.io/jobset")):
-        objects = quota_objects(ns.name, gpus=2)
-        ns.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))
-        try:
-            yield
-        finally:
-            ns.kubectl("delete", "jobsets.jobset.x-k8s.io", "--all", "--wait=true", "--timeout=60s", check=False)
-            ns.kubectl("delete", "workloads.kueue.x-k8s.io", "--all", "--wait=true", "--timeout=60s", check=False)
-            ns.cluster.kubectl(
-                "delete", "-f", "-", "--ignore-not-found", "--wait=true", "--timeout=60s",
-                input=yaml.safe_dump_all(objects), check=False,
-            )  # fmt: skip
+    with kueue_with_quota(ns, node_agent, gpus=2, frameworks=("batch/job", "jobset.x-k8s.io/jobset")):
+        yield
 
 
 def test_kueue_admits_a_group_whole_and_holds_the_next_one_whole(
@@ -179,8 +167,7 @@ def test_a_group_whose_pods_cannot_be_created_says_why(
     """The pods of a JobSet are created by its Jobs: their FailedCreate (here a quota of no pods) is the run's
     reason, as a Job's own is for a one-pod run."""
     start_operator()
-    ns.apply({"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-pods"}, "spec": {"hard": {"pods": "0"}}})
-    wait_for(lambda: (ns.get("resourcequota", "no-pods") or {}).get("status", {}).get("hard"), 60, "the quota")
+    ns.forbid_pods()
     ns.apply(xj_manifest("quota", "r1", **run_env, server=TWO_NODES))
     stalled = wait_for(lambda: ns.status("quota").get("reason") == "FailedCreate" and ns.status("quota"), 120,
                        "reason FailedCreate")  # fmt: skip

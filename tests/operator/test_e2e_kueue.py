@@ -5,6 +5,7 @@ the quota is free, ending with every row stored exactly once."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -77,21 +78,33 @@ def quota_objects(namespace: str, gpus: int = 1) -> list[dict[str, Any]]:
     ]
 
 
-@pytest.fixture
-def kueue(ns: Namespace, node_agent: Any) -> Iterator[None]:
-    with kueue_installed(ns.cluster, node_agent):
-        objects = quota_objects(ns.name)
+@contextlib.contextmanager
+def kueue_with_quota(
+    ns: Namespace, node_agent: Any, *, gpus: int = 1, frameworks: tuple[str, ...] = ("batch/job",)
+) -> Iterator[None]:
+    """Kueue running with the test's queues and quota (quota_objects) for the kinds in `frameworks`."""
+    # JobSets before Jobs: a JobSet would recreate a Job deleted under it.
+    owners = {"jobset.x-k8s.io/jobset": "jobsets.jobset.x-k8s.io", "batch/job": "jobs"}
+    with kueue_installed(ns.cluster, node_agent, frameworks=frameworks):
+        objects = quota_objects(ns.name, gpus=gpus)
         ns.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))
         try:
             yield
         finally:
-            # While Kueue runs, so that it lifts its finalizers: the Jobs, their Workloads, the queues.
-            ns.kubectl("delete", "jobs", "--all", "--wait=true", "--timeout=60s", check=False)
+            # While Kueue runs, so that it lifts its finalizers: the workloads' owners, the Workloads, the queues.
+            for owner in [kind for framework, kind in owners.items() if framework in frameworks]:
+                ns.kubectl("delete", owner, "--all", "--wait=true", "--timeout=60s", check=False)
             ns.kubectl("delete", "workloads.kueue.x-k8s.io", "--all", "--wait=true", "--timeout=60s", check=False)
             ns.cluster.kubectl(
                 "delete", "-f", "-", "--ignore-not-found", "--wait=true", "--timeout=60s",
                 input=yaml.safe_dump_all(objects), check=False,
             )  # fmt: skip
+
+
+@pytest.fixture
+def kueue(ns: Namespace, node_agent: Any) -> Iterator[None]:
+    with kueue_with_quota(ns, node_agent):
+        yield
 
 
 def own_output(run_env: dict[str, Any], name: str) -> dict[str, Any]:

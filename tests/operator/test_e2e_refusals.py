@@ -77,16 +77,7 @@ def test_quota_and_a_missing_secret_stall_the_run_with_the_real_message(
 ) -> None:
     start_operator()
     # No pod may be created in the namespace: the Job controller's creates are refused (FailedCreate).
-    quota = {
-        "apiVersion": "v1",
-        "kind": "ResourceQuota",
-        "metadata": {"name": "no-pods"},
-        "spec": {"hard": {"pods": "0"}},
-    }
-    ns.apply(quota)
-    wait_for(
-        lambda: (ns.get("resourcequota", "no-pods") or {}).get("status", {}).get("hard"), 60, "the quota"
-    )
+    ns.forbid_pods()
     ns.apply(xj_manifest("quota", "r1", **run_env))
     stalled = wait_for(reason_is(ns, "quota", "FailedCreate"), 120, "reason FailedCreate")
     assert stalled["phase"] == "Pending", stalled

@@ -10,6 +10,16 @@ from pathlib import Path
 from typing import Any
 
 
+class Clock:
+    """A clock the test moves (``clock.now += 5``), for code that takes its time source as an argument."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @dataclass
 class RefServer:
     url: str

@@ -15,14 +15,7 @@ from hsx_extractor.run import leases as leases_module
 from hsx_extractor.run.leases import LeaseObserver, Leases, LeaseState, lease_states, work_left
 from hsx_extractor.storage.backends import PermanentStoreError
 from hsx_extractor.storage.store import Store, open_store
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.run.helpers import Clock
 
 
 @pytest.fixture
@@ -32,6 +25,17 @@ def store(tmp_path: Path) -> Store:
 
 def leases(store: Store, replica: int, process: str, clock: Clock, ttl: float = 30.0) -> Leases:
     return Leases(store, f"r{replica}", process, ttl, clock)
+
+
+def shards_held_by_two(store: Store) -> tuple[Leases, Leases, Leases]:
+    """Processes a and b claim shards 0 and 1 five seconds apart (0 is held longer); c has scanned both."""
+    clock = Clock()
+    a, b, c = (leases(store, r, p, clock) for r, p in ((0, "aa"), (1, "bb"), (2, "cc")))
+    assert a.claim(0)
+    clock.now += 5
+    assert b.claim(1)
+    c.scan()
+    return a, b, c
 
 
 def test_lease_keys_parse_to_each_shards_newest_generation_and_beat(store: Store) -> None:
@@ -107,12 +111,7 @@ def test_renewal_lets_go_of_committed_shards_and_release_frees_at_once(store: St
 
 
 def test_an_idle_process_races_the_shard_held_longest_once(store: Store) -> None:
-    clock = Clock()
-    a, b, c = (leases(store, r, p, clock) for r, p in ((0, "aa"), (1, "bb"), (2, "cc")))
-    assert a.claim(0)
-    clock.now += 5
-    assert b.claim(1)
-    c.scan()
+    a, b, c = shards_held_by_two(store)
     assert c.idle(committed=set()) and c.race_candidate(range(2), committed=set()) == 0
     assert c.take(0, "race")
     a.scan()
@@ -126,12 +125,7 @@ def test_a_regenerating_run_races_only_shards_whose_generations_are_stored(store
     """A race before a shard's generations are stored would decode the shard twice (and throw one away)."""
     from hsx_extractor.run.regenerate import generations_stored
 
-    clock = Clock()
-    a, b, c = (leases(store, r, p, clock) for r, p in ((0, "aa"), (1, "bb"), (2, "cc")))
-    assert a.claim(0)
-    clock.now += 5
-    assert b.claim(1)
-    c.scan()
+    *_, c = shards_held_by_two(store)
     c.raceable = generations_stored(store)
     assert c.race_candidate(range(2), committed=set()) is None  # neither shard's generations are stored
     store.backend.put_if_absent(store.layout.generations_key(1), b"{}\n")

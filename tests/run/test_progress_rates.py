@@ -7,14 +7,7 @@ import pytest
 
 from hsx_extractor.run import progress as progress_mod
 from hsx_extractor.run.progress import RATE_WINDOW_S, Progress
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.run.helpers import Clock
 
 
 @pytest.fixture
