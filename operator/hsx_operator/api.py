@@ -357,7 +357,8 @@ class ExtractionJobSpec(_Spec):
     activeDeadlineSeconds: int | None = Field(
         default=None,
         ge=1,
-        description="Longest the run may take from its Job's start; then it fails with DeadlineExceeded.",
+        description="Longest the run may take from its Job's start (a JobSet's: its restarts do not start it "
+        "again); then it fails with DeadlineExceeded.",
     )
     startupDeadlineSeconds: int | None = Field(
         default=None,

@@ -87,6 +87,9 @@ def desired_jobset(owner: Owner, spec: ExtractionJobSpec, *, suspend: bool | Non
     suspended = bool(leader_job.pop("suspend"))
     ttl = leader_job.pop("ttlSecondsAfterFinished", None)
     leader_job.pop("podReplacementPolicy")  # a Job of backoffLimit 0 never replaces a pod
+    # A Job's own deadline would restart the JobSet and start again with each restart: the operator
+    # holds the run's, from the JobSet's start across restarts (observe.past_group_deadline).
+    leader_job.pop("activeDeadlineSeconds", None)
     if spec.scheduling.topology is not None and spec.server.nodes == 2 and spec.parallelism == 1:
         # Kueue puts a group of pod sets in one domain only for exactly two, one of a single pod: this one.
         leader_job["template"]["metadata"]["annotations"][KUEUE_GROUP_ANNOTATION] = LEADER
@@ -173,6 +176,8 @@ def job_view(jobset: Mapping[str, Any]) -> dict[str, Any]:
     status: dict[str, Any] = {"conditions": conditions}
     if done:
         status["completionTime"] = done.get("lastTransitionTime")
+    if not (jobset.get("spec") or {}).get("suspend"):
+        status["startTime"] = started(jobset)
     return {
         "kind": "JobSet",
         "metadata": dict(jobset.get("metadata") or {}),
@@ -182,6 +187,20 @@ def job_view(jobset: Mapping[str, Any]) -> dict[str, Any]:
         },
         "status": status,
     }
+
+
+def started(jobset: Mapping[str, Any]) -> str | None:
+    """When the JobSet last started running: its resume (Kueue's admission, spec.suspend lifted), else
+    its creation. As a Job's startTime, a suspension restarts the clock; JobSet's restarts do not."""
+    resumed = next(
+        (
+            c.get("lastTransitionTime")
+            for c in (jobset.get("status") or {}).get("conditions") or []
+            if c.get("type") == "Suspended" and c.get("status") == "False"
+        ),
+        None,
+    )
+    return resumed or (jobset.get("metadata") or {}).get("creationTimestamp")
 
 
 def is_leader(pod: Mapping[str, Any]) -> bool:

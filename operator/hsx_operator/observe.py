@@ -299,6 +299,24 @@ def _past_startup_deadline(status: ExtractionJobStatus, spec: ExtractionJobSpec,
     return True
 
 
+def _past_group_deadline(
+    status: ExtractionJobStatus, spec: ExtractionJobSpec, job: Mapping[str, Any], now: datetime
+) -> bool:
+    """A JobSet running longer than activeDeadlineSeconds since it started: fail the run (the caller deletes
+    it). A Job keeps its own deadline; a JobSet's Jobs carry none, as each restart would start it again."""
+    deadline = spec.activeDeadlineSeconds
+    started = parse_time(job.get("status", {}).get("startTime"))
+    if job.get("kind") != "JobSet" or deadline is None or started is None:
+        return False
+    if (now - started).total_seconds() <= deadline:
+        return False
+    restarts = f", {status.group.restarts} restart(s)" if status.group and status.group.restarts else ""
+    message = f"JobSet {job['metadata'].get('name', '')} ran past activeDeadlineSeconds={deadline}{restarts}"
+    _set(status, Phase.FAILED, Reason.DEADLINE_EXCEEDED, message + "; committed shards are kept")
+    status.completionTime = rfc3339(now)
+    return True
+
+
 def _with_job(
     status: ExtractionJobStatus,
     spec: ExtractionJobSpec,
@@ -322,7 +340,7 @@ def _with_job(
         return _Seen(stalled=_suspended(status, spec, job, kueue))
     else:
         seen = _active(status, job, pods, events, job_events, now)
-        seen.stop = seen.stop or _past_startup_deadline(status, spec, now)
+        seen.stop = seen.stop or _past_startup_deadline(status, spec, now) or _past_group_deadline(status, spec, job, now)
         return seen
     return _Seen()
 

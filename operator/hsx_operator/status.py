@@ -40,6 +40,8 @@ class Reason(StrEnum):
     # A server container exited before it was ever ready (a crash, OOM, its startup probe's budget spent).
     SERVER_EXITED = "ServerExited"
     STARTUP_DEADLINE_EXCEEDED = "StartupDeadlineExceeded"
+    # The run outlived activeDeadlineSeconds (a Job's own condition reason; the operator's for a JobSet).
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
     EXTRACTING = "Extracting"
     COMPLETED = "Completed"
     PERMANENT_FAILURE = "PermanentFailure"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,37 @@ def test_a_lost_worker_recreates_the_group_and_the_run_resumes_exactly_once(
     ns.kubectl("delete", "xj", "big", "--wait=true", "--timeout=120s")
     assert ns.get("jobset.jobset.x-k8s.io", "big-r1") is None
     assert (run_dir / "manifest.json").exists()
+
+
+def test_a_group_run_ends_at_its_deadline_counted_across_restarts(
+    ns: Namespace,
+    run_env: dict[str, Any],
+    long_dataset: Path,
+    jobset: None,
+    start_operator: Callable[[], OperatorProcess],
+    hsx_node: Any,
+) -> None:
+    """activeDeadlineSeconds is the run's, from its JobSet's start: a restart does not start it again (a Job's own
+    deadline would), and reaching it ends the run rather than restarting the group."""
+    start_operator()
+    # Slower than SLOW: unhindered the run would take several times its deadline.
+    deadline, server = 120, {"extraArgs": ["--delay-ms", "1500"], **TWO_NODES}
+    env = own_output({**run_env, "dataset": long_dataset}, "late")
+    ns.apply(xj_manifest("late", "r1", **env, server=server, concurrency=2, activeDeadlineSeconds=deadline))
+    wait_for(phase(ns, "late", "Running", "Succeeded", "Failed"), 90, "Running")
+    created = ns.get("jobset.jobset.x-k8s.io", "late-r1")
+    assert created is not None
+    assert [r["template"]["spec"].get("activeDeadlineSeconds") for r in created["spec"]["replicatedJobs"]] == [None, None]
+    worker = next(p for p in group_pods(ns, "late-r1") if rank_of(p) == "rank-1")
+    ns.kubectl("delete", "pod", worker["metadata"]["name"], "--grace-period=0", "--force", "--wait=false")
+    wait_for(lambda: (ns.status("late").get("group") or {}).get("restarts", 0) >= 1, 120, "the group to restart")
+    failed = wait_for(phase(ns, "late", "Succeeded", "Failed"), deadline + 120, "the run to end")
+    assert (failed["phase"], failed["reason"]) == ("Failed", "DeadlineExceeded"), failed
+    assert failed["message"].startswith(f"JobSet late-r1 ran past activeDeadlineSeconds={deadline}, 1 restart(s)"), failed
+    ran = datetime.fromisoformat(failed["completionTime"]) - datetime.fromisoformat(failed["startTime"])
+    assert ran.total_seconds() >= deadline, failed
+    wait_for(lambda: ns.get("jobset.jobset.x-k8s.io", "late-r1") is None, 60, "the JobSet to be deleted")
+    assert (env["output"] / "r1" / "plan.json").exists()  # the run's output stays
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -19,8 +20,9 @@ from hsx_operator.group import (
     job_view,
     pod_specs,
 )
-from hsx_operator.status import GroupStatus
-from tests.operator.helpers import make_spec
+from hsx_operator.observe import Outcome, observe
+from hsx_operator.status import ExtractionJobStatus, GroupStatus
+from tests.operator.helpers import EXTRACTOR_RUNNING, SERVER_READY, make_spec, pod_json
 
 OWNER = Owner("big", "ml", "uid-1")
 
@@ -140,6 +142,36 @@ def test_a_jobset_reads_as_the_job_observe_knows() -> None:
     # Its one FailJobSet rule is a pod failure policy's verdict: observe reads it as a Job's and names the exit.
     permanent = {**failed, "reason": "FailJobSetFailurePolicyAction"}
     assert job_view(jobset_json(conditions=[permanent]))["status"]["conditions"][0]["reason"] == "PodFailurePolicy"
+
+
+def test_a_group_run_fails_at_its_deadline_counted_from_its_start_across_restarts() -> None:
+    """A Job's own activeDeadlineSeconds would restart the JobSet and count again from each restart: the
+    JobSet's Jobs carry none, and the operator fails the run once the JobSet has run that long."""
+    spec = make_spec(server={"nodes": 2, "gpus": 8}, activeDeadlineSeconds=3600)
+    one_node = make_spec(activeDeadlineSeconds=3600)
+    assert desired_job(OWNER, one_node)["spec"]["activeDeadlineSeconds"] == 3600  # one pod per replica: the Job's own
+    assert all("activeDeadlineSeconds" not in r["template"]["spec"] for r in desired_jobset(OWNER, spec)["spec"]["replicatedJobs"])
+    # It starts when created, or when last resumed (Kueue's admission); a suspended one has not started.
+    assert job_view(jobset_json())["status"]["startTime"] == "2026-12-07T00:00:00Z"
+    assert "startTime" not in job_view(jobset_json(suspend=True))["status"]
+    resumed = {"type": "Suspended", "status": "False", "reason": "ResumeJobs", "lastTransitionTime": "2026-12-07T00:30:00Z"}
+    view = job_view(jobset_json(conditions=[resumed], restarts=2))
+    assert view["status"]["startTime"] == "2026-12-07T00:30:00Z"
+    leader = pod_json("big-r1-leader-0-0-x", server=SERVER_READY, extractor=EXTRACTOR_RUNNING)
+    prior = ExtractionJobStatus.model_validate({"observedRunId": "r1", "group": {"jobSet": "big-r1", "nodes": 2, "restarts": 2}})
+
+    def at(hh_mm: str, job: dict[str, Any]) -> Outcome:
+        now = datetime.fromisoformat(f"2026-12-07T{hh_mm}:00+00:00")
+        return observe(xj_name="big", generation=1, spec=spec, prior=prior, job=job, pods=[leader], events={},
+                       progress={}, now=now)  # fmt: skip
+
+    assert (at("01:29", view).status.phase, at("01:29", view).stop_job) == ("Running", False)
+    late = at("01:31", view)
+    assert late.stop_job and (late.status.phase, late.status.reason) == ("Failed", "DeadlineExceeded")
+    assert late.status.message.startswith("JobSet big-r1 ran past activeDeadlineSeconds=3600, 2 restart(s)")
+    # A Job's deadline is the Job controller's to enforce: the operator leaves it be.
+    as_job = {**view, "kind": "Job"}
+    assert (at("01:31", as_job).status.phase, at("01:31", as_job).stop_job) == ("Running", False)
 
 
 def pod(name: str, rjob: str, index: int, *, phase: str = "Running", ready: bool = True) -> dict[str, Any]:
