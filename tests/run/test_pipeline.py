@@ -182,6 +182,20 @@ def test_retry_recovers_a_dropped_dump(tmp_path: Path, ref_server: RefServer) ->
     assert ref_server.stats()["requests"] == 6 + 3
 
 
+def test_a_rate_limited_request_is_asked_again_not_quarantined(tmp_path: Path, ref_server: RefServer) -> None:
+    """A 429 (or 408) is a router's word on load, not on the request: retried like a 5xx, under a new rid."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", chat_rows(6))
+    ref_server.set_fault("rate_limit", every=2, first_attempt_only=True)
+    cfg = base_config(tmp_path, ref_server, dataset, run_id="limited")
+    code, _, progress = run(cfg)
+    assert code == EXIT_OK, progress.last_error
+    samples, quarantined = stored(cfg)
+    assert quarantined == {} and sorted(samples) == list(range(6))
+    stats = ref_server.stats()
+    assert sorted(protocol.parse_rid(r)[1:] for r in stats["faulted"]) == [(0, 0), (2, 0), (4, 0)]
+    assert stats["requests"] == 6 + 3
+
+
 def test_a_lost_response_is_retried_under_a_new_rid(tmp_path: Path, ref_server: RefServer) -> None:
     """The server ran the request and wrote its dump, then the answer was lost. The retry must go
     out under a new rid (SGLang rejects a rid it has seen: the sample would be quarantined as

@@ -100,12 +100,33 @@ def test_one_window_keeps_the_marks_of_every_rate() -> None:
 
 def test_the_generation_pace_counts_its_first_turn_and_falls_to_zero(clock: Clock) -> None:
     pace = progress_mod.Pace()
-    assert pace.rates(True, 0.0) == (0.0, 0.0)
-    pace.add(100, 50)
+    assert pace.rates(True, 0.0) == (0.0, 0.0, 0.0)
+    pace.add(100, 50, rows=1)
     clock.now += 10
-    pace.add(100, 50)
-    decode, prefill = pace.rates(True, 10.0)
-    assert decode == pytest.approx(20.0) and prefill == pytest.approx(10.0)
-    assert pace.rates(False, 20.0) == (10.0, 5.0)  # the whole run once it ended
+    pace.add(100, 50, rows=1)
+    decode, prefill, rows = pace.rates(True, 10.0)
+    assert decode == pytest.approx(20.0) and prefill == pytest.approx(10.0) and rows == pytest.approx(0.2)
+    assert pace.rates(False, 20.0) == (10.0, 5.0, 0.1)  # the whole run once it ended
     clock.now += RATE_WINDOW_S + 1
-    assert pace.rates(True, 80.0) == (0.0, 0.0)
+    assert pace.rates(True, 80.0) == (0.0, 0.0, 0.0)
+
+
+def test_a_regenerating_run_has_its_generations_pace_for_eta_between_its_bursts_of_captures(clock: Clock) -> None:
+    """Captures come a shard at a time after its generations: their rate swings from a burst to nothing, while
+    rows are generated at a steady pace, which is the run's."""
+    p = Progress("r", 0, samples_total=1000)
+    p.mark_running()
+    for minute in range(3):
+        for _ in range(60):  # a row generated a second...
+            clock.now += 1
+            p.generated(50, 20, rows=1)
+        for _ in range(60):  # ...and the shard's 60 captures in one burst
+            p.sample_done(70)
+        report = p.report()
+        assert report.etaSeconds == pytest.approx((1000 - 60 * (minute + 1)) / 1.0, rel=0.05)
+    clock.now += RATE_WINDOW_S + 1  # generated all it could, capturing the rest: the capture's pace
+    assert p.report().etaSeconds is None  # neither moved for a window: no pace, no ETA
+    for _ in range(2 * int(RATE_WINDOW_S)):
+        clock.now += 1
+        p.sample_done(70)
+    assert p.report().etaSeconds == pytest.approx((1000 - 180 - 120) / 1.0, rel=0.05)

@@ -5,6 +5,7 @@ and during capture resumed with no row generated twice and none lost."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from hsx_extractor.config import ExtractConfig, GenerationSpec
 from hsx_extractor.contract import EXIT_OK, EXIT_PERMANENT
 from hsx_extractor.reasons import GENERATION_REASONS, Reason
 from hsx_extractor.run.dataset import Prepared, Rejected
-from hsx_extractor.run.regenerate import Prompt, prompt_preparer, regenerated_turns, sample_of
+from hsx_extractor.run.regenerate import Prompt, prompt_preparer, regenerated_turns, sample_of, stale
 from hsx_extractor.run.server_client import (
     Sampling,
     sglang_generated,
@@ -30,7 +31,7 @@ from hsx_extractor.storage import failpoints
 from hsx_extractor.tools.tinymodel import TURN_END, TinyModelSpec, build_tiny_model
 from tests.faults.helpers import RefServerProcess, free_port, hsx_verify, start_extract
 
-from .helpers import base_config, write_jsonl
+from .helpers import RefServer, base_config, write_jsonl
 from .test_pipeline import run, stored
 
 SPEAKING = TinyModelSpec(spoken_words=12)
@@ -61,6 +62,23 @@ def test_which_turns_are_regenerated() -> None:
     assert regenerated_turns([user, said, user], "each") == [1, 3]
     assert regenerated_turns([user, calls, tool], "each") == [3]  # the tool call is kept, a new answer follows
     assert regenerated_turns([user, calls], "last") == []  # nothing to regenerate after a call
+    assert regenerated_turns([user, said, user, calls], "each") == [1]  # the earlier answer still is
+
+
+def test_a_stored_generation_is_captured_only_as_this_rows_with_these_settings() -> None:
+    user, said = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}
+    ids = np.asarray([1, 2], dtype=np.int32)
+    item = Prompt(3, "r3", ids, np.zeros_like(ids, dtype=np.uint8), 4, (user, said, user, said), None, (1, 3), 64, 8)
+    mine = {"index": 3, "id": "r3", "plan": "p1", "turns": [],
+            "messages": [user, {"role": "assistant", "content": "new"}, user, {"role": "assistant", "content": "new"}]}
+    assert stale(mine, item, "p1") is None
+    assert stale({k: v for k, v in mine.items() if k != "plan"}, item, "p1") is None  # stored before the digest was
+    assert "does not hold it" in (stale(None, item, "p1") or "") and "does not hold it" in (stale({**mine, "id": "x"}, item, "p1") or "")
+    assert "other settings" in (stale(mine, item, "p2") or "")
+    edited = {**mine, "messages": [{"role": "user", "content": "edited"}, *mine["messages"][1:]]}
+    assert "dataset turns changed" in (stale(edited, item, "p1") or "")
+    assert "dataset turns changed" in (stale({**mine, "tools": [{"name": "f"}]}, item, "p1") or "")
+    assert "dataset turns changed" in (stale({**mine, "messages": mine["messages"][:2]}, item, "p1") or "")
 
 
 def test_settings_that_cannot_regenerate_are_refused() -> None:
@@ -244,6 +262,59 @@ def test_other_generation_settings_do_not_resume_a_run(tmp_path: Path, speaker: 
     assert run(config(tmp_path, speaker, dataset, "fixed"))[0] == EXIT_OK
     code, _, progress = run(config(tmp_path, speaker, dataset, "fixed", temperature=0.5))
     assert code == EXIT_PERMANENT and "regenerate" in (progress.last_error or ""), progress.last_error
+
+
+def test_generations_left_by_a_run_restarted_with_other_settings_or_rows_are_refused(
+    tmp_path: Path, speaker: RefServerProcess
+) -> None:
+    """Killed once its generations were stored but before plan.json and any commit (only they are left), a run
+    restarted with other settings or an edited row stops rather than capture what it did not generate."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows(6))
+    cfg = config(tmp_path, speaker, dataset, "early")
+    assert run(cfg)[0] == EXIT_OK
+
+    def only_generations_left() -> None:
+        for child in (Path(cfg["output"]["uri"]) / "early").iterdir():
+            if child.name != "generations":
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+    only_generations_left()
+    code, _, progress = run(config(tmp_path, speaker, dataset, "early", temperature=0.5))
+    assert code == EXIT_PERMANENT and "made with other settings" in (progress.last_error or ""), progress.last_error
+    only_generations_left()  # the refused run stored its plan.json before it read the generations
+    edited = rows(6)
+    edited[2]["messages"][0]["content"] = edited[2]["messages"][0]["content"].replace("alpha", "gamma")
+    write_jsonl(dataset, edited)
+    code, _, progress = run(cfg)
+    assert code == EXIT_PERMANENT and "dataset turns changed" in (progress.last_error or ""), progress.last_error
+    only_generations_left()
+    write_jsonl(dataset, rows(6))  # restored: its stored generations are captured, none generated again
+    before = speaker.stats()["generations"]
+    assert run(cfg)[0] == EXIT_OK and speaker.stats()["generations"] == before
+
+
+def test_an_aborted_generation_is_asked_again_and_one_always_aborted_is_quarantined(
+    tmp_path: Path, speaker: RefServerProcess, speaking_tokenizer: ChatTokenizer
+) -> None:
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows(6))
+    server = RefServer(speaker.url, speaker.dump_dir, speaker.model)
+    try:
+        server.set_fault("abort", every=2, first_attempt_only=True)  # every other one aborted once
+        cfg = config(tmp_path, speaker, dataset, "flaky")
+        assert run(cfg)[0] == EXIT_OK
+        aborted = len(speaker.stats()["faulted"])
+        assert aborted >= 2 and speaker.stats()["generations"] == 6 + aborted
+        records = check_captures(cfg, speaking_tokenizer, 6)
+        assert all(r.get("quarantine", {}).get("reason") != "server_error" for r in records.values())
+        server.set_fault("abort", every=1)  # a row the server always aborts is set aside, the run goes on
+        cfg = config(tmp_path, speaker, dataset, "aborted")
+        cfg["validation"]["maxRejectedRowRate"] = 1.0
+        code, _, progress = run(cfg)
+        assert code == EXIT_OK and progress.quarantined[Reason.SERVER_ERROR] == 6
+        assert speaker.stats()["generations"] == 6 * 4
+        assert all("with 'abort' 4 times" in r["quarantine"]["detail"] for r in generations(cfg).values())
+    finally:
+        server.set_fault(None)
 
 
 def test_kills_during_generation_and_capture_resume_without_regenerating(

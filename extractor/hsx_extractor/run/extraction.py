@@ -273,8 +273,8 @@ class Extraction:
             leases = await asyncio.to_thread(self.open_leases, store, asyncio.get_running_loop())
             rest = (producer, consistency, leases)
             if cfg.responses == "regenerate":
-                self.regenerator = Regenerator(cfg, tok, store, client, self.progress, self.gate,
-                                               asyncio.get_running_loop(), leases.stop)  # fmt: skip
+                self.regenerator = Regenerator(cfg, tok, store, client, self.progress, asyncio.get_running_loop(),
+                                               leases.stop)  # fmt: skip
             try:
                 if plan is None:
                     plan, commits = await self._extract_planning(store, client, tok, shape, committed, *rest)

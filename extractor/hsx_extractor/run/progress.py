@@ -65,26 +65,30 @@ class RateWindow:
 
 @dataclass
 class Pace:
-    """Two running totals (decoded and prefilled tokens) and their rates over the last RATE_WINDOW_S."""
+    """A generation's running totals (decoded tokens, prefilled tokens, rows) and their rates over the
+    last RATE_WINDOW_S."""
 
-    first: int = 0
-    second: int = 0
+    decoded: int = 0
+    prefilled: int = 0
+    rows: int = 0
     _window: RateWindow = field(default_factory=RateWindow)
 
-    def add(self, first: int, second: int) -> None:
-        self.first += first
-        self.second += second
+    def add(self, decoded: int, prefilled: int, rows: int = 0) -> None:
+        self.decoded += decoded
+        self.prefilled += prefilled
+        self.rows += rows
         now = time.monotonic()
         if self._window.empty:
-            self._window.mark(now, (0, 0))  # the first add counts toward the rate
-        self._window.mark(now, (self.first, self.second))
+            self._window.mark(now, (0, 0, 0))  # the first add counts toward the rate
+        self._window.mark(now, (self.decoded, self.prefilled, self.rows))
 
-    def rates(self, windowed: bool, elapsed: float) -> tuple[float, float]:
+    def rates(self, windowed: bool, elapsed: float) -> tuple[float, float, float]:
         """Per second over the window while running (0 once nothing came for a window), else the whole run."""
+        totals = (self.decoded, self.prefilled, self.rows)
         if not windowed:
-            return (self.first / elapsed, self.second / elapsed) if elapsed > 0 else (0.0, 0.0)
-        got = self._window.rates(time.monotonic(), (self.first, self.second))
-        return (got[0], got[1]) if got else (0.0, 0.0)
+            return (totals[0] / elapsed, totals[1] / elapsed, totals[2] / elapsed) if elapsed > 0 else (0.0, 0.0, 0.0)
+        got = self._window.rates(time.monotonic(), totals)
+        return (got[0], got[1], got[2]) if got else (0.0, 0.0, 0.0)
 
 
 @dataclass
@@ -167,7 +171,7 @@ class Progress:
     def generated(self, decoded: int, prefilled: int, rows: int = 0) -> None:
         """A turn generated (its tokens), or a row's generation done (``rows``)."""
         self.samples_generated += rows
-        self.generation.add(decoded, prefilled)
+        self.generation.add(decoded, prefilled, rows)
         self.metrics.generated.labels(phase="decode").inc(decoded)
         self.metrics.generated.labels(phase="prefill").inc(prefilled)
 
@@ -310,9 +314,13 @@ class Progress:
         self._read_planning()
         estimate = self.total_estimate()
         remaining = max((estimate or self.samples_total) - self.samples_done, 0)
-        eta = remaining / samples_rate if samples_rate > 0 and (not self.planning or estimate) else None
+        decode_rate, prefill_rate, rows_rate = self.generation.rates(self.state == "running", self.elapsed)
+        # A regenerating run goes at its generation's pace: its captures come a shard at a time, after each
+        # shard's generations, so their own rate swings from a burst to nothing. Capture alone is left once
+        # every row is generated.
+        pace = rows_rate if rows_rate > 0 else samples_rate
+        eta = remaining / pace if pace > 0 and (not self.planning or estimate) else None
         checked, failed = self._consistency_probe() if self._consistency_probe else (0, 0)
-        decode_rate, prefill_rate = self.generation.rates(self.state == "running", self.elapsed)
         return ProgressReport(
             samplesGenerated=self.samples_generated,
             generationDecodeTokensPerSecond=round(decode_rate, 3),

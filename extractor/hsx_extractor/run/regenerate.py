@@ -15,8 +15,9 @@ Per shard, in order:
 
 Each line of a generations file is one row: ``index``, ``id``, ``line`` (the dataset's), ``messages``
 (the regenerated conversation, a dataset row hsx reads as it is), ``tools``, ``turns`` (per generated
-turn: ``message`` index, ``promptTokens``, ``outputIds`` as generated, ``finish``) and, for a row that
-cannot be a sample, ``quarantine`` (``reason``, ``detail``).
+turn: ``message`` index, ``promptTokens``, ``outputIds`` as generated, ``finish``), ``plan`` (the run's
+settings digest) and, for a row that cannot be a sample, ``quarantine`` (``reason``, ``detail``). Before its
+capture each stored row is checked to be this run's (:func:`stale`): same id, dataset turns and settings.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from hsx_extractor.run.dataset import (
     read_samples,
 )
 from hsx_extractor.run.engine import ReaderEvent, ShardResumed, ShardRow
-from hsx_extractor.run.failures import permanent
+from hsx_extractor.run.failures import RunFailed, permanent
 from hsx_extractor.run.plan import ShardCut
 from hsx_extractor.run.progress import Progress
 from hsx_extractor.run.server_client import (
@@ -93,8 +94,8 @@ def regenerated_turns(messages: list[dict[str, Any]], turns: str) -> list[int]:
     final = messages[-1]
     if final["role"] != "assistant":
         own.append(len(messages))
-    elif final.get("tool_calls"):
-        return []
+    elif final.get("tool_calls") and turns == "last":
+        return []  # the last turn is the dataset's call
     return own[-1:] if turns == "last" else own
 
 
@@ -111,7 +112,7 @@ def prompt_preparer(gen: GenerationSpec) -> Callable[..., list[Prepared | Reject
             return refused(Reason.SPECIAL_TOKENS_IN_CONTENT, f"content holds the special-token string {found!r}")
         targets = regenerated_turns(row.messages, gen.turns)
         if not targets:
-            return refused(Reason.NO_ASSISTANT_TOKENS, "nothing to regenerate: the conversation ends in a tool call")
+            return refused(Reason.NO_ASSISTANT_TOKENS, "nothing to regenerate: its last turn calls a tool (turns: last)")
         try:
             prompt = tok.encode_chat(row.messages[: targets[0]], row.tools, True).ids
             whole = len(prompt) if len(targets) == 1 else len(tok.encode_chat(row.messages, row.tools, False).ids)
@@ -199,6 +200,23 @@ def generations_stored(store: Store) -> Callable[[int], bool]:
     return lambda shard: store.backend.size(store.layout.generations_key(shard)) is not None
 
 
+def stale(record: dict[str, Any] | None, item: Prompt, plan: str | None) -> str | None:
+    """Why a stored generation is not this row's (pure): none stored for it, made with other settings (a
+    run restarted with others before plan.json was stored), or its dataset turns changed since."""
+    if record is None or record.get("id") != item.sample_id:
+        return "its shard's generations file does not hold it: the dataset changed since they were stored"
+    made = record.get("plan")
+    if plan is not None and made is not None and made != plan:
+        return (f"its generation was made with other settings (plan digest {made}, this run's {plan}: model, "
+                "tokenizer, generation or capture options)")  # fmt: skip
+    kept = record.get("messages") or []
+    if record.get("tools") != item.tools or any(
+        i >= len(kept) or kept[i] != m for i, m in enumerate(item.messages) if i not in item.targets
+    ):
+        return "its dataset turns changed since its generation was stored"
+    return None
+
+
 def encode_records(records: list[dict[str, Any]]) -> bytes:
     return b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in records)
 
@@ -221,6 +239,14 @@ class _Gathering:
     began: float = 0.0
 
 
+# A generation the server aborts is asked this many times more before its row is quarantined.
+ABORT_RETRIES, ABORT_PAUSE_S = 3, 1.0
+# The generation's own gate (apart from the capture's, which it would dilute): refusals stop the run when
+# they are more than this share of the recent requests, a setting the server does not take, not a row.
+GENERATION_REFUSAL_RATE = 0.5
+REFUSED = "generation requests refused"
+REFUSED_ADVICE = "the server does not take a generation setting (temperature, top_p, stop, maxNewTokens) or the model"
+
 # Shards read whole whose generations may be under way at once: the next shard's requests reach the
 # server while the last rows of one are still decoding, so the decode batch does not drain every shard.
 GENERATE_AHEAD = 2
@@ -235,9 +261,11 @@ class Regenerator:
     ends that wait when handing on fails."""
 
     def __init__(self, cfg: ExtractConfig, tok: ChatTokenizer, store: Store, client: ServerClient, progress: Progress,
-                 gate: MismatchGate, loop: asyncio.AbstractEventLoop, stop_reading: Callable[[], None]) -> None:  # fmt: skip
+                 loop: asyncio.AbstractEventLoop, stop_reading: Callable[[], None]) -> None:  # fmt: skip
         self.cfg, self.tok, self.store, self.client, self.progress, self.loop = cfg, tok, store, client, progress, loop
-        self.gen, self.gate, self.stop_reading = cfg.generation, gate, stop_reading
+        self.gen, self.stop_reading = cfg.generation, stop_reading
+        v = cfg.validation
+        self.gate = MismatchGate(GENERATION_REFUSAL_RATE, v.gateWindow, v.gateMinSamples)
 
     def reader(self, inner: Callable[[Callable[[ReaderEvent], None]], None]) -> Callable[[Callable[[ReaderEvent], None]], None]:
         def read(emit: Callable[[ReaderEvent], None]) -> None:
@@ -276,6 +304,8 @@ class Regenerator:
                     self.start(held)
                     while not _put(whole, held):
                         if failed:
+                            if held.making is not None:  # never handed on: its generations would only cost decode
+                                held.making.cancel()
                             raise failed[0]
 
             handing = threading.Thread(target=hand_on, name="hsx-regenerate", daemon=True)
@@ -300,7 +330,7 @@ class Regenerator:
         key = self.store.layout.generations_key(held.cut.shard)
         if self.store.backend.size(key) is None:
             prompts = [i for i in held.items if isinstance(i, Prompt)]
-            held.making = asyncio.run_coroutine_threadsafe(self._generate_all(prompts), self.loop)
+            held.making = asyncio.run_coroutine_threadsafe(self._generate_all(prompts, held.cut.plan), self.loop)
             held.began = time.monotonic()
 
     def shard_samples(self, held: _Gathering) -> list[Prepared | Rejected]:
@@ -326,17 +356,30 @@ class Regenerator:
                 out.append(item)
                 continue
             record = stored.get(item.index)
-            if record is None or record.get("id") != item.sample_id:
-                raise permanent(f"{where} does not hold row {item.index} ({item.sample_id}): the dataset changed since "
-                                "its generations were stored; restore it or start a new runId")  # fmt: skip
+            if (why := stale(record, item, held.cut.plan)) is not None:
+                raise permanent(f"{where}: row {item.index} ({item.sample_id}): {why}; restore the dataset and "
+                                "settings, or start a new runId")  # fmt: skip
+            assert record is not None
             out.append(sample_of(record, self.tok, self.cfg.dataset.maxLength))
         return out
 
-    async def _generate_all(self, prompts: list[Prompt]) -> list[dict[str, Any]]:
-        """Every row of a shard; the first error (the server gone, the gate's verdict) cancels the rest."""
+    async def _generate_all(self, prompts: list[Prompt], plan: str | None) -> list[dict[str, Any]]:
+        """Every row of a shard; the first error (the server gone, the gate's verdict) cancels the rest.
+        Whatever else one row raises quarantines it: one row never ends a run."""
 
         async def one(prompt: Prompt) -> dict[str, Any]:
-            record = await self._generate(prompt)
+            try:
+                record = await self._generate(prompt)
+            except (ServerUnavailable, RunFailed):
+                raise
+            except Exception as exc:
+                detail = f"{type(exc).__name__} while generating: {str(exc)[:300]}"
+                record = {"index": prompt.index, "id": prompt.sample_id, "line": prompt.line,
+                          "messages": list(prompt.messages), "turns": [],
+                          **({"tools": prompt.tools} if prompt.tools is not None else {}),
+                          "quarantine": {"reason": str(Reason.ROW_CHECK_FAILED), "detail": detail}}  # fmt: skip
+            if plan is not None:
+                record["plan"] = plan
             self.progress.generated(0, 0, rows=1)
             return record
 
@@ -368,17 +411,18 @@ class Regenerator:
                 return quarantine(Reason.TOO_LONG, f"message {target}: its prompt is {len(ids)} tokens, no room "
                                                    f"left under maxLength {self.cfg.dataset.maxLength}")  # fmt: skip
             seed = None if gen.seed is None else gen.seed + prompt.index
+            sampling = Sampling(room, gen.temperature, gen.topP, seed, tuple(gen.stop))
             try:
-                got: Generated = await self.client.complete(ids, Sampling(room, gen.temperature, gen.topP, seed,
-                                                                          tuple(gen.stop)))  # fmt: skip
+                got = await self._complete(ids, sampling)
             except RequestRejected as exc:  # this request's fault (a prompt the server will not take): the gate
-                self.gate.record(True)        # stops the run when it is every request's (a setting it refuses)
-                if verdict := self.gate.verdict():
-                    raise permanent(f"generation: {verdict}") from exc
+                self.gate.record(True)        # stops the run when it is most requests' (a setting it refuses)
+                if verdict := self.gate.verdict(REFUSED, REFUSED_ADVICE):
+                    raise permanent(f"generation: {verdict}; last: {exc}") from exc
                 return quarantine(Reason.SERVER_ERROR, f"message {target}: generation refused: {exc}")
             self.gate.record(False)
-            if got.finish not in ("stop", "length"):  # aborted (load, a restart): not the row's; asked again later
-                raise ServerUnavailable(f"the server ended a generation with {got.finish!r}")
+            if got.finish not in ("stop", "length"):
+                return quarantine(Reason.SERVER_ERROR, f"message {target}: the server ended its generation with "
+                                  f"{got.finish!r} {1 + ABORT_RETRIES} times")  # fmt: skip
             self.progress.generated(len(got.ids), len(ids))
             failpoints.reach("generated")
             turn = {"message": target, "promptTokens": len(ids), "outputIds": got.ids, "finish": got.finish}
@@ -392,3 +436,14 @@ class Regenerator:
                 return quarantine(Reason.EMPTY_GENERATION, f"message {target}: the model generated no text")
         record["messages"] = messages
         return record
+
+    async def _complete(self, ids: list[int], sampling: Sampling) -> Generated:
+        """A generation, asked again (after a pause) while the server aborts it: an abort under load or a
+        restart is not the row's, one that repeats is (its finish is then the row's quarantine)."""
+        for attempt in range(ABORT_RETRIES + 1):
+            if attempt:
+                await asyncio.sleep(ABORT_PAUSE_S * 2 ** (attempt - 1))
+            got = await self.client.complete(ids, sampling)
+            if got.finish in ("stop", "length"):
+                break
+        return got

@@ -27,6 +27,10 @@ class ServerUnavailable(RuntimeError):
     """The server cannot be reached or keeps failing (a transient, whole-run error)."""
 
 
+# Client errors that are not the request's fault (a router's timeout or rate limit): asked again, like a 5xx.
+RETRIED_CLIENT_ERRORS = frozenset({408, 429})
+
+
 class RequestRejected(RuntimeError):
     """The server answered this one request (sent as ``rid``) with a client error (4xx)."""
 
@@ -234,7 +238,7 @@ class ServerClient:
         self, path: str, request: Callable[[int], tuple[dict[str, Any], str]], what: Callable[[], str]
     ) -> str:
         """POST ``request(attempt)`` (its body and rid) until the server answers below 500: the answer's text.
-        Connection failures and 5xx are retried with backoff; a 4xx raises :class:`RequestRejected`."""
+        Connection failures, 5xx, 408 and 429 are retried with backoff; another 4xx raises :class:`RequestRejected`."""
         last = ""
         for attempt in range(self.connect_retries + 1):
             if attempt:
@@ -248,7 +252,7 @@ class ServerClient:
                     text = await r.text()
                     if r.status < 400:
                         return text
-                    if r.status < 500:
+                    if r.status < 500 and r.status not in RETRIED_CLIENT_ERRORS:
                         raise RequestRejected(r.status, text, rid)
                     last = f"HTTP {r.status}: {text[:300]}"
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:

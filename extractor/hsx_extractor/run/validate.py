@@ -100,6 +100,12 @@ def _first_difference(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
+CAPTURE_ADVICE = (
+    "the server's dumps do not match what was sent (check --disable-radix-cache, --chunked-prefill-size -1 and the "
+    "hook; the limit is validation.maxMismatchRate)"
+)
+
+
 class MismatchGate:
     """Trips when more than ``max_rate`` of the last ``window`` checked samples mismatched,
     once at least ``min_samples`` were checked."""
@@ -114,18 +120,14 @@ class MismatchGate:
         self._recent.append(mismatched)
         self.checked += 1
 
-    def verdict(self) -> str | None:
+    def verdict(self, what: str = "samples mismatched", advice: str = CAPTURE_ADVICE) -> str | None:
         """A message saying why the run must stop, or None."""
         if self.checked < self.min_samples or not self._recent:
             return None
         bad = sum(self._recent)
         rate = bad / len(self._recent)
         if rate > self.max_rate:
-            return (
-                f"mismatch gate: {bad} of the last {len(self._recent)} samples mismatched "
-                f"({rate:.1%} > maxMismatchRate {self.max_rate:.1%}); the server's dumps do not match "
-                "what was sent (check --disable-radix-cache, --chunked-prefill-size -1 and the hook)"
-            )
+            return f"mismatch gate: {bad} of the last {len(self._recent)} {what} ({rate:.1%} > {self.max_rate:.1%}); {advice}"
         return None
 
 

@@ -39,7 +39,11 @@ from hsx_extractor.model import capture_layers
 from hsx_extractor.protocol import DumpMeta, ProtocolError
 
 PRODUCER = "hsx-reference"
-FAULT_KINDS = ("swap", "drop", "truncate", "add_bos", "nan", "error", "drop_response")
+FAULT_KINDS = ("swap", "drop", "truncate", "add_bos", "nan", "error", "drop_response", "abort", "rate_limit")
+# Faults of generations (requests that capture nothing): captures are served as ever.
+GENERATION_FAULTS = ("abort",)
+# Faults answered before a capture runs (_serve_one serves what passes them as ever).
+ANSWER_FAULTS = ("rate_limit",)
 # Capture faults: a well-formed dump whose final state is not the one the model predicts from.
 CAPTURE_FAULTS = ("prenorm", "wrong_layer", "partial_sum")
 
@@ -59,6 +63,11 @@ class FaultPlan:
     * nan: one value is NaN    * error: an error marker instead of data
     * drop_response: the dump is written, then the connection is cut instead of answering (a
       response lost on the way: the client cannot know the request ran)
+    * rate_limit: a 429 answer before anything runs, as a router's rate limit answers (a retry of the
+      same sample is a new rid of a later attempt: with ``first_attempt_only`` it is served)
+    * abort: a generation (no capture; by its arrival number among generations) ends with
+      finish_reason abort and no text, as SGLang answers a request it aborted; with
+      ``first_attempt_only`` a prompt aborted once is served when asked again
     * prenorm: the final state before the final norm, labelled (as always) post-norm
     * wrong_layer: the final norm applied to the last decoder layer's *input* (one layer short)
     * partial_sum: the last layer's output as half of a tensor-parallel sum, then the final norm
@@ -244,6 +253,7 @@ class ReferenceServer:
         self.delay_per_token_s = delay_per_token_s
         self.dump_dir = protocol.make_dump_dir(dump_dir)
         self.fault = fault or FaultPlan()
+        self._aborted: set[tuple[int, ...]] = set()  # prompts the abort fault answered
         self.delay_s = delay_s
         self.test_hooks = test_hooks
         self.stats = Stats()
@@ -286,6 +296,7 @@ class ReferenceServer:
         except (ValueError, TypeError) as exc:
             return _error(400, str(exc))
         self.stats = Stats(in_flight=self._in_flight)
+        self._aborted = set()
         return web.json_response({"kind": self.fault.kind, "every": self.fault.every, "delayS": self.delay_s})
 
     async def generate(self, request: web.Request) -> web.Response:
@@ -302,6 +313,9 @@ class ReferenceServer:
         self._seen.add(rid)
         self.stats.requests += 1
         arrival = self.stats.requests
+        if self.fault.kind == "rate_limit" and self.fault.applies(rid, arrival):
+            self.stats.faulted.append(rid)
+            return _error(429, "rate limited (test fault)")
         # Counted on the server, not per stats epoch: a reset must not forget requests still running.
         self._in_flight += 1
         self.stats.in_flight = self._in_flight
@@ -336,6 +350,13 @@ class ReferenceServer:
                                                            for i in ids):  # fmt: skip
             return _error(400, f"input_ids must be a non-empty list of ids in [0, {self.model.vocab_size})")
         self.stats.generations += 1
+        asked_again = self.fault.first_attempt_only and tuple(ids) in self._aborted
+        if self.fault.kind == "abort" and self.fault.applies("", self.stats.generations) and not asked_again:
+            self._aborted.add(tuple(ids))
+            self.stats.faulted.append(f"generation-{self.stats.generations}")
+            meta = {"prompt_tokens": len(ids), "completion_tokens": 0,
+                    "finish_reason": {"type": "abort", "message": "aborted (test fault)"}}  # fmt: skip
+            return web.json_response({"text": "", "output_ids": [], "meta_info": meta})
         loop = asyncio.get_running_loop()
         out, finish = await loop.run_in_executor(self._worker, self.model.generate, ids, sampling)
         reason = {"type": "stop", "matched": out[-1]} if finish == "stop" else {"type": "length", "length": len(out)}
@@ -372,7 +393,7 @@ class ReferenceServer:
         return rid, ids, logprobs
 
     def _serve_one(self, rid: str, ids: list[int], arrival: int) -> tuple[Forward, str | None]:
-        faulted = self.fault.applies(rid, arrival)
+        faulted = self.fault.kind not in GENERATION_FAULTS + ANSWER_FAULTS and self.fault.applies(rid, arrival)
         kind = self.fault.kind if faulted else None
         if faulted:
             self.stats.faulted.append(rid)
