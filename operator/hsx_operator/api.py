@@ -363,8 +363,8 @@ class ExtractionJobSpec(_Spec):
     startupDeadlineSeconds: int | None = Field(
         default=None,
         ge=1,
-        description="Longest the run may take to get every server ready (scheduling, image pulls, weights "
-        "loading); then it fails with StartupDeadlineExceeded.",
+        description="Longest the run may take from its Job's start (Kueue's admission, not the time queued) to "
+        "get every server ready (scheduling, image pulls, weights loading); then it fails with StartupDeadlineExceeded.",
     )
     suspend: bool = Field(
         default=False,

@@ -190,17 +190,15 @@ def job_view(jobset: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def started(jobset: Mapping[str, Any]) -> str | None:
-    """When the JobSet last started running: its resume (Kueue's admission, spec.suspend lifted), else
-    its creation. As a Job's startTime, a suspension restarts the clock; JobSet's restarts do not."""
-    resumed = next(
-        (
-            c.get("lastTransitionTime")
-            for c in (jobset.get("status") or {}).get("conditions") or []
-            if c.get("type") == "Suspended" and c.get("status") == "False"
-        ),
-        None,
+    """When the JobSet last started running, as a Job's startTime: its creation if it was never
+    suspended (JobSet records no Suspended condition then), else its resume (Kueue's admission,
+    spec.suspend lifted), and None while JobSet has not resumed it yet. Its restarts do not count."""
+    suspended = next(
+        (c for c in (jobset.get("status") or {}).get("conditions") or [] if c.get("type") == "Suspended"), None
     )
-    return resumed or (jobset.get("metadata") or {}).get("creationTimestamp")
+    if suspended is None:
+        return (jobset.get("metadata") or {}).get("creationTimestamp")
+    return suspended.get("lastTransitionTime") if suspended.get("status") == "False" else None
 
 
 def is_leader(pod: Mapping[str, Any]) -> bool:

@@ -280,10 +280,13 @@ def _active(
     return seen
 
 
-def _past_startup_deadline(status: ExtractionJobStatus, spec: ExtractionJobSpec, now: datetime) -> bool:
-    """Servers not ready within startupDeadlineSeconds: fail the run (the caller stops its Job)."""
+def _past_startup_deadline(
+    status: ExtractionJobStatus, spec: ExtractionJobSpec, job: Mapping[str, Any], now: datetime
+) -> bool:
+    """Servers not ready within startupDeadlineSeconds of the Job's start (its admission, for a run Kueue
+    held: not its time in the queue): fail the run (the caller stops its Job)."""
     deadline = spec.startupDeadlineSeconds
-    started = parse_time(status.startTime)
+    started = parse_time(job.get("status", {}).get("startTime"))
     if (
         deadline is None
         or status.serverReadyTime is not None
@@ -340,7 +343,7 @@ def _with_job(
         return _Seen(stalled=_suspended(status, spec, job, kueue))
     else:
         seen = _active(status, job, pods, events, job_events, now)
-        seen.stop = seen.stop or _past_startup_deadline(status, spec, now) or _past_group_deadline(status, spec, job, now)
+        seen.stop = seen.stop or _past_startup_deadline(status, spec, job, now) or _past_group_deadline(status, spec, job, now)
         return seen
     return _Seen()
 

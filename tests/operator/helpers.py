@@ -36,6 +36,8 @@ def job_json(
     parallelism: int = 1,
 ) -> dict[str, Any]:
     status: dict[str, Any] = {"failed": failed, "conditions": conditions or []}
+    if not suspend:  # the Job controller's: when it last started running (a resume resets it)
+        status["startTime"] = "2026-12-02T10:00:00Z"
     if completion_time:
         status["completionTime"] = completion_time
     return {

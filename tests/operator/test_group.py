@@ -157,6 +157,9 @@ def test_a_group_run_fails_at_its_deadline_counted_from_its_start_across_restart
     resumed = {"type": "Suspended", "status": "False", "reason": "ResumeJobs", "lastTransitionTime": "2026-12-07T00:30:00Z"}
     view = job_view(jobset_json(conditions=[resumed], restarts=2))
     assert view["status"]["startTime"] == "2026-12-07T00:30:00Z"
+    # Admitted (spec.suspend false) but not resumed by JobSet yet: not started, whatever its queue time.
+    held = {**resumed, "status": "True", "reason": "SuspendJobs"}
+    assert job_view(jobset_json(conditions=[held]))["status"]["startTime"] is None
     leader = pod_json("big-r1-leader-0-0-x", server=SERVER_READY, extractor=EXTRACTOR_RUNNING)
     prior = ExtractionJobStatus.model_validate({"observedRunId": "r1", "group": {"jobSet": "big-r1", "nodes": 2, "restarts": 2}})
 

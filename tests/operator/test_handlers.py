@@ -195,10 +195,10 @@ def test_a_host_path_the_admin_did_not_allow_fails_the_run_without_a_job(
 def test_the_startup_deadline_runs_on_the_api_servers_clock(
     monkeypatch: pytest.MonkeyPatch, world: dict[str, Any]
 ) -> None:
-    # The Job's creationTimestamp is the API server's; this machine's clock is months ahead of it.
+    # The Job's timestamps are the API server's; this machine's clock is months ahead of it.
     created = datetime(2026, 1, 5, 12, 0, 0, tzinfo=UTC)
     job = owned(job_json())
-    job["metadata"]["creationTimestamp"] = created.strftime("%Y-%m-%dT%H:%M:%SZ")
+    job["metadata"]["creationTimestamp"] = job["status"]["startTime"] = created.strftime("%Y-%m-%dT%H:%M:%SZ")
     loading = [pod_json(server=SERVER_LOADING, extractor=EXTRACTOR_WAITING)]
     spec = spec_dict(startupDeadlineSeconds=600)
 

@@ -426,6 +426,22 @@ def test_startup_deadline_stops_the_run() -> None:
     assert after.status.reason == "StartupDeadlineExceeded" and not after.stop_job
 
 
+def test_the_startup_deadline_counts_from_the_jobs_start_not_its_time_in_a_queue() -> None:
+    """Kueue held the Job two hours (created 10:00, admitted 12:00): its startup is bounded from 12:00."""
+    spec = make_spec(startupDeadlineSeconds=60)
+    pods = [pod_json(server=SERVER_LOADING, extractor=EXTRACTOR_WAITING)]
+    admitted = job_json()
+    admitted["status"]["startTime"] = "2026-12-02T12:00:00Z"
+    early = run(spec=spec, job=admitted, pods=pods, now=datetime(2026, 12, 2, 12, 0, 30, tzinfo=UTC))
+    assert early.status.phase == "Starting" and not early.stop_job and early.status.startTime == "2026-12-02T10:00:00Z"
+    late = run(spec=spec, prior=early.status, job=admitted, pods=pods, now=datetime(2026, 12, 2, 12, 1, 30, tzinfo=UTC))
+    assert late.stop_job and late.status.reason == "StartupDeadlineExceeded"
+    unsynced = job_json()  # resumed, but the Job controller has not set its start yet
+    del unsynced["status"]["startTime"]
+    out = run(spec=spec, job=unsynced, pods=pods, now=datetime(2026, 12, 2, 12, 1, 30, tzinfo=UTC))
+    assert not out.stop_job and out.status.phase == "Starting"
+
+
 def test_ready_servers_are_not_subject_to_the_startup_deadline() -> None:
     spec = make_spec(startupDeadlineSeconds=60)
     out = run(

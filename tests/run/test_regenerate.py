@@ -15,7 +15,7 @@ import pydantic
 import pytest
 
 from hsx_extractor.config import ExtractConfig, GenerationSpec
-from hsx_extractor.contract import EXIT_OK, EXIT_PERMANENT
+from hsx_extractor.contract import EXIT_OK, EXIT_PERMANENT, EXIT_TRANSIENT
 from hsx_extractor.reasons import GENERATION_REASONS, Reason
 from hsx_extractor.run.dataset import Prepared, Rejected
 from hsx_extractor.run.regenerate import Prompt, prompt_preparer, regenerated_turns, sample_of, stale
@@ -293,26 +293,35 @@ def test_generations_left_by_a_run_restarted_with_other_settings_or_rows_are_ref
     assert run(cfg)[0] == EXIT_OK and speaker.stats()["generations"] == before
 
 
-def test_an_aborted_generation_is_asked_again_and_one_always_aborted_is_quarantined(
+def test_an_aborted_generation_is_asked_again_one_always_aborted_is_quarantined_and_a_server_aborting_all_stops(
     tmp_path: Path, speaker: RefServerProcess, speaking_tokenizer: ChatTokenizer
 ) -> None:
     dataset = write_jsonl(tmp_path / "d.jsonl", rows(6))
     server = RefServer(speaker.url, speaker.dump_dir, speaker.model)
     try:
-        server.set_fault("abort", every=2, first_attempt_only=True)  # every other one aborted once
+        server.set_fault("abort", every=2, first_attempt_only=True)  # some rows aborted once
         cfg = config(tmp_path, speaker, dataset, "flaky")
         assert run(cfg)[0] == EXIT_OK
         aborted = len(speaker.stats()["faulted"])
-        assert aborted >= 2 and speaker.stats()["generations"] == 6 + aborted
+        assert aborted >= 1 and speaker.stats()["generations"] == 6 + aborted
         records = check_captures(cfg, speaking_tokenizer, 6)
-        assert all(r.get("quarantine", {}).get("reason") != "server_error" for r in records.values())
-        server.set_fault("abort", every=1)  # a row the server always aborts is set aside, the run goes on
+        assert all("quarantine" not in r or r["quarantine"]["reason"] != "server_error" for r in records.values())
+
+        server.set_fault("abort", every=3)  # some rows the server always aborts: set aside, the run goes on
         cfg = config(tmp_path, speaker, dataset, "aborted")
         cfg["validation"]["maxRejectedRowRate"] = 1.0
         code, _, progress = run(cfg)
-        assert code == EXIT_OK and progress.quarantined[Reason.SERVER_ERROR] == 6
-        assert speaker.stats()["generations"] == 6 * 4
-        assert all("with 'abort' 4 times" in r["quarantine"]["detail"] for r in generations(cfg).values())
+        always = len(set(speaker.stats()["faulted"]))
+        assert code == EXIT_OK and 1 <= always < 6 and progress.quarantined[Reason.SERVER_ERROR] == always
+        assert speaker.stats()["generations"] == 6 + 3 * always  # each such row asked 4 times
+        assert sum("with 'abort' 4 times" in r.get("quarantine", {}).get("detail", "") for r in generations(cfg).values()) == always
+
+        server.set_fault("abort", every=1)  # a server aborting most generations: the run stops, to be retried
+        cfg = config(tmp_path, speaker, dataset, "overloaded")
+        cfg["validation"]["gateMinSamples"] = 4
+        code, _, progress = run(cfg)
+        assert code == EXIT_TRANSIENT and "generations aborted" in (progress.last_error or ""), progress.last_error
+        assert not (Path(cfg["output"]["uri"]) / "overloaded" / "generations").exists()  # nothing stored of it
     finally:
         server.set_fault(None)
 

@@ -361,7 +361,7 @@ class Planner:
             lines = (self._first_line, last_line)
             digest = shard_digests([lines], self.line_digests)[0]
         self._first_line = None
-        cut = ShardCut(shard, start, stop, lines, digest, self._identity_digest if digest else None)
+        cut = ShardCut(shard, start, stop, lines, digest, self._identity_digest)
         self._cuts.append(cut)
         return cut
 

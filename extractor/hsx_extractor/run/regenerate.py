@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import numpy as np
 
 from hsx_extractor.config import ExtractConfig, GenerationSpec
@@ -239,8 +240,9 @@ class _Gathering:
     began: float = 0.0
 
 
-# A generation the server aborts is asked this many times more before its row is quarantined.
-ABORT_RETRIES, ABORT_PAUSE_S = 3, 1.0
+# A generation the server aborts is asked this many times more (pausing 2, 4, 8 s) before its row is
+# quarantined, unless the server aborts most generations (the abort gate: then the run stops, transient).
+ABORT_RETRIES, ABORT_PAUSE_S = 3, 2.0
 # The generation's own gate (apart from the capture's, which it would dilute): refusals stop the run when
 # they are more than this share of the recent requests, a setting the server does not take, not a row.
 GENERATION_REFUSAL_RATE = 0.5
@@ -266,6 +268,7 @@ class Regenerator:
         self.gen, self.stop_reading = cfg.generation, stop_reading
         v = cfg.validation
         self.gate = MismatchGate(GENERATION_REFUSAL_RATE, v.gateWindow, v.gateMinSamples)
+        self.aborts = MismatchGate(GENERATION_REFUSAL_RATE, v.gateWindow, v.gateMinSamples)
 
     def reader(self, inner: Callable[[Callable[[ReaderEvent], None]], None]) -> Callable[[Callable[[ReaderEvent], None]], None]:
         def read(emit: Callable[[ReaderEvent], None]) -> None:
@@ -370,8 +373,8 @@ class Regenerator:
         async def one(prompt: Prompt) -> dict[str, Any]:
             try:
                 record = await self._generate(prompt)
-            except (ServerUnavailable, RunFailed):
-                raise
+            except (ServerUnavailable, RunFailed, ConfigurationError, aiohttp.ClientError, OSError):
+                raise  # the server's, the run's or the store's: not this row's
             except Exception as exc:
                 detail = f"{type(exc).__name__} while generating: {str(exc)[:300]}"
                 record = {"index": prompt.index, "id": prompt.sample_id, "line": prompt.line,
@@ -420,7 +423,12 @@ class Regenerator:
                     raise permanent(f"generation: {verdict}; last: {exc}") from exc
                 return quarantine(Reason.SERVER_ERROR, f"message {target}: generation refused: {exc}")
             self.gate.record(False)
-            if got.finish not in ("stop", "length"):
+            aborted = got.finish not in ("stop", "length")
+            self.aborts.record(aborted)
+            if aborted and (verdict := self.aborts.verdict("generations aborted", "the server is overloaded or "
+                                                           "restarting, not refusing rows")):  # fmt: skip
+                raise ServerUnavailable(f"generation: {verdict}")
+            if aborted:
                 return quarantine(Reason.SERVER_ERROR, f"message {target}: the server ended its generation with "
                                   f"{got.finish!r} {1 + ABORT_RETRIES} times")  # fmt: skip
             self.progress.generated(len(got.ids), len(ids))

@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import threading
+import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -65,9 +66,9 @@ class FaultPlan:
       response lost on the way: the client cannot know the request ran)
     * rate_limit: a 429 answer before anything runs, as a router's rate limit answers (a retry of the
       same sample is a new rid of a later attempt: with ``first_attempt_only`` it is served)
-    * abort: a generation (no capture; by its arrival number among generations) ends with
-      finish_reason abort and no text, as SGLang answers a request it aborted; with
-      ``first_attempt_only`` a prompt aborted once is served when asked again
+    * abort: a generation (no capture) whose prompt falls on ``every`` (crc32 of its ids: the same rows
+      whatever the order they come in) ends with finish_reason abort and no text, as SGLang answers a
+      request it aborted; with ``first_attempt_only`` a prompt aborted once is served when asked again
     * prenorm: the final state before the final norm, labelled (as always) post-norm
     * wrong_layer: the final norm applied to the last decoder layer's *input* (one layer short)
     * partial_sum: the last layer's output as half of a tensor-parallel sum, then the final norm
@@ -351,9 +352,10 @@ class ReferenceServer:
             return _error(400, f"input_ids must be a non-empty list of ids in [0, {self.model.vocab_size})")
         self.stats.generations += 1
         asked_again = self.fault.first_attempt_only and tuple(ids) in self._aborted
-        if self.fault.kind == "abort" and self.fault.applies("", self.stats.generations) and not asked_again:
+        chosen = zlib.crc32(json.dumps(ids).encode()) % self.fault.every == 0
+        if self.fault.kind == "abort" and chosen and not asked_again:
             self._aborted.add(tuple(ids))
-            self.stats.faulted.append(f"generation-{self.stats.generations}")
+            self.stats.faulted.append(f"generation-{zlib.crc32(json.dumps(ids).encode()):08x}")
             meta = {"prompt_tokens": len(ids), "completion_tokens": 0,
                     "finish_reason": {"type": "abort", "message": "aborted (test fault)"}}  # fmt: skip
             return web.json_response({"text": "", "output_ids": [], "meta_info": meta})
