@@ -203,7 +203,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_reference(args: argparse.Namespace) -> int:
-    from hsx_extractor.tools.reference_server import FaultPlan, run
+    from hsx_extractor.tools.reference_faults import FaultPlan
+    from hsx_extractor.tools.reference_server import run
 
     if not Path(args.model, "config.json").is_file():
         raise UsageError(f"--model {args.model} is not a model directory (no config.json there)")
