@@ -13,10 +13,10 @@ Layer convention (the same as SGLang's EAGLE-3 capture, see hsx_extractor.model)
 the *input* of decoder layer ``j``, which is Hugging Face's ``hidden_states[j]`` (0 = embedding
 output). The final state is ``hidden_states[-1]``, which HF returns after the final norm.
 
-Test hooks (clearly not part of the SGLang API; the faults are reference_faults'): ``--fault`` makes
-the server misbehave on purpose, ``--delay-ms`` slows each request, ``GET /hsx_test/stats`` reports requests in flight
-as the server saw them, and with ``--enable-test-hooks`` ``POST /hsx_test/fault`` changes the
-fault and delay at runtime (and resets the stats).
+Test hooks (clearly not part of the SGLang API; the faults are reference_faults'): ``--fault``
+makes the server misbehave on purpose, ``--delay-ms`` slows each request, ``GET /hsx_test/stats``
+reports requests in flight as the server saw them, and with ``--enable-test-hooks``
+``POST /hsx_test/fault`` changes the fault and delay at runtime (and resets the stats).
 """
 
 from __future__ import annotations
