@@ -51,7 +51,8 @@ def _error_response(status: int, code: str) -> bytes:
 @dataclass
 class Injection:
     """Answer the first ``times`` requests matching method and target text with an S3 error
-    (or, with ``delay_seconds``, forward them only after that delay)."""
+    (or, with ``delay_seconds``, forward them only after that delay; with ``reset_after``, forward
+    them, then reset the connection: done upstream, and the client never hears so)."""
 
     method: str
     target_contains: str
@@ -59,6 +60,7 @@ class Injection:
     code: str = ""
     times: int = 1
     delay_seconds: float = 0.0
+    reset_after: bool = False
 
 
 @dataclass
@@ -224,7 +226,7 @@ class FaultProxy:
                 injected = self._injected(method, target)
                 if injected is not None and injected.delay_seconds:
                     await asyncio.sleep(injected.delay_seconds)
-                elif injected is not None:
+                elif injected is not None and not injected.reset_after:
                     writer.write(_error_response(injected.status, injected.code))
                     await writer.drain()
                     continue
@@ -242,7 +244,7 @@ class FaultProxy:
                 if fault == "slow":
                     await asyncio.sleep(self.plan.slow_seconds)
                 response = await self._exchange(head + body, method)
-                if fault == "reset_after":
+                if fault == "reset_after" or (injected is not None and injected.reset_after):
                     writer.transport.abort()
                     return
                 writer.write(response)

@@ -192,3 +192,22 @@ def test_a_skewed_clock_fails_at_once_saying_so(s3_env: S3Server, s3_bucket: str
             store.put_json_if_absent("plan.json", {"a": 1})
     assert skewed.times == 99, proxy.counts  # one try, no retry
     assert info.value.exit_code == 3 and "RequestTimeTooSkewed" in str(info.value)
+
+
+@pytest.mark.s3
+def test_a_lease_created_but_its_reply_lost_is_still_ours(s3_env: S3Server, s3_bucket: str) -> None:
+    """The create of a lease (and of the startup probe's object) lands, its reply is lost and the retry
+    is refused 412: the object holds this process's name, so the lease is its own, not a failed probe
+    that stops the run (CI saw exit 3 through the R2 fault proxy) nor a shard left unheld for a lease."""
+    from hsx_extractor.run.leases import Leases
+
+    lost = [Injection("PUT", target, reset_after=True) for target in ("shard-999999/", "shard-000003/g000000")]
+    with FaultProxy(s3_env.endpoint, FaultPlan(seed=0, rate=0.0, injections=lost)) as proxy:
+        store = open_store(_spec(proxy.endpoint, s3_bucket), "run-1")
+        mine = Leases(store, "r0", "aa")
+        mine.probe()
+        assert lost[0].times == 0, proxy.counts
+        assert mine.claim(3) and 3 in mine.held
+        assert lost[1].times == 0, proxy.counts
+        assert not Leases(store, "r1", "bb").claim(3)  # and nobody else's
+    assert proxy.counts["injected 0 "] == 2, proxy.counts

@@ -7,7 +7,7 @@ shard held longest, once per shard. It ends when every planned shard is committe
 operator: the objects below, written with the store's create-if-absent (the same conditional write the
 commit protocol needs), a listing and deletes.
 
-    leases/shard-{k:06d}/g{gen:06d}                              generation ``gen`` of shard k's lease
+    leases/shard-{k:06d}/g{gen:06d}                              generation ``gen`` of shard k's lease (its holder, a nonce)
     leases/shard-{k:06d}/g{gen:06d}.b{beat:08d}.{kind}.{holder}  its holder's renewals
 
 Only one process can create a generation (``If-None-Match``); a generation's beats are written by its
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -139,7 +140,7 @@ class Leases:
         """Refuse a store that cannot hold leases: a created object must be listed, refused a
         second time, and gone from the listing once deleted."""
         key = self.layout.beat_key(999_999, 0, 0, "free", self.holder)  # this process's own
-        ok = self.backend.put_if_absent(key, b"probe") and not self.backend.put_if_absent(key, b"again")
+        ok = self._create_own(key) and not self.backend.put_if_absent(key, b"again")
         ok = ok and key in set(self.backend.list_keys(self.layout.lease_prefix(999_999)))
         self.backend.delete(key)
         if not ok or key in set(self.backend.list_keys(self.layout.lease_prefix(999_999))):
@@ -212,8 +213,14 @@ class Leases:
         """None of the shards this process took is still uncommitted."""
         return all(k in committed for k in self.worked)
 
+    def _create_own(self, key: str) -> bool:
+        """Create ``key`` holding this process's name and a nonce. A refusal whose object holds exactly
+        that is this very create, its reply lost and the retry refused (S3 over a flaky network): ours."""
+        mine = f"{self.holder} {uuid.uuid4().hex}".encode()
+        return self.backend.put_if_absent(key, mine) or self.backend.get(key, len(mine) + 1) == mine
+
     def _create(self, shard: int, generation: int, kind: str) -> bool:
-        if self._stopped.is_set() or not self.backend.put_if_absent(self.layout.lease_key(shard, generation), b""):
+        if self._stopped.is_set() or not self._create_own(self.layout.lease_key(shard, generation)):
             return False
         with self._lock:
             self.held[shard] = (generation, -1, kind)
