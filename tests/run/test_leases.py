@@ -78,6 +78,7 @@ def test_one_claim_wins_and_a_silent_holder_is_taken_over(store: Store) -> None:
     clock = Clock()
     a, b = leases(store, 0, "aa", clock), leases(store, 1, "bb", clock)
     assert a.claim(0) and not b.claim(0)
+    assert not leases(store, 123456, "0123456789abcdef0123456789abcdef", clock).claim(0)  # a longer name read back
     assert b.claim(1) and not a.claim(1)
     b.scan()
     assert b.takeable(range(3), committed=set()) == [2]

@@ -38,6 +38,7 @@ from hsx_extractor.storage.backends import PermanentStoreError, StoreError
 from hsx_extractor.storage.store import Store
 
 LEASE_SECONDS = 60.0
+LEASE_BODY_BYTES = 256  # a holder and a nonce: what a read-back of anyone's lease takes
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,7 @@ class Leases:
         """Create ``key`` holding this process's name and a nonce. A refusal whose object holds exactly
         that is this very create, its reply lost and the retry refused (S3 over a flaky network): ours."""
         mine = f"{self.holder} {uuid.uuid4().hex}".encode()
-        return self.backend.put_if_absent(key, mine) or self.backend.get(key, len(mine) + 1) == mine
+        return self.backend.put_if_absent(key, mine) or self.backend.get(key, LEASE_BODY_BYTES) == mine
 
     def _create(self, shard: int, generation: int, kind: str) -> bool:
         if self._stopped.is_set() or not self._create_own(self.layout.lease_key(shard, generation)):
