@@ -176,7 +176,8 @@ class FaultProxy:
         for injection in self.plan.injections:
             if injection.times > 0 and method == injection.method and injection.target_contains in target:
                 injection.times -= 1
-                self.counts[f"injected {injection.status} {injection.code}"] += 1
+                what = "reset_after" if injection.reset_after else f"{injection.status} {injection.code}"
+                self.counts[f"injected {what}"] += 1
                 return injection
         return None
 

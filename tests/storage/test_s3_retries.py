@@ -201,7 +201,8 @@ def test_a_lease_created_but_its_reply_lost_is_still_ours(s3_env: S3Server, s3_b
     that stops the run (CI saw exit 3 through the R2 fault proxy) nor a shard left unheld for a lease."""
     from hsx_extractor.run.leases import Leases
 
-    lost = [Injection("PUT", target, reset_after=True) for target in ("shard-999999/", "shard-000003/g000000")]
+    probe, claim = "shard-999999/", "shard-000003/g000000"
+    lost = [Injection("PUT", target, reset_after=True) for target in (probe, claim)]
     with FaultProxy(s3_env.endpoint, FaultPlan(seed=0, rate=0.0, injections=lost)) as proxy:
         store = open_store(_spec(proxy.endpoint, s3_bucket), "run-1")
         mine = Leases(store, "r0", "aa")
@@ -210,4 +211,4 @@ def test_a_lease_created_but_its_reply_lost_is_still_ours(s3_env: S3Server, s3_b
         assert mine.claim(3) and 3 in mine.held
         assert lost[1].times == 0, proxy.counts
         assert not Leases(store, "r1", "bb").claim(3)  # and nobody else's
-    assert proxy.counts["injected 0 "] == 2, proxy.counts
+    assert proxy.counts["injected reset_after"] == 2, proxy.counts

@@ -7,11 +7,12 @@ shard held longest, once per shard. It ends when every planned shard is committe
 operator: the objects below, written with the store's create-if-absent (the same conditional write the
 commit protocol needs), a listing and deletes.
 
-    leases/shard-{k:06d}/g{gen:06d}                              generation ``gen`` of shard k's lease (its holder, a nonce)
+    leases/shard-{k:06d}/g{gen:06d}                              generation ``gen`` of shard k's lease
     leases/shard-{k:06d}/g{gen:06d}.b{beat:08d}.{kind}.{holder}  its holder's renewals
 
-Only one process can create a generation (``If-None-Match``); a generation's beats are written by its
-holder only, a new object per renewal (the previous one deleted), so nothing is ever overwritten.
+Only one process can create a generation (``If-None-Match``); it holds its creator's name and a nonce,
+so a creator whose reply was lost knows it as its own. A generation's beats are written by its holder
+only, a new object per renewal (the previous one deleted), so nothing is ever overwritten.
 Holder ``{slot}-{process}`` (protocol.RunKey: ``r{replica}`` or ``r{replica}w{worker}``); kind: claim (a free shard), take (an expired or
 released one), race (a live one, speculatively), free (released by its holder).
 
